@@ -1,0 +1,296 @@
+"""Saving, discovering and restoring checkpoints under one root (DESIGN.md, contract 3).
+
+Layout::
+
+    <root>/step-00000040/replicated.pt     rank 0: model, optimizer, scheduler, scaler
+    <root>/step-00000040/rank-00000.pt     every rank: its own RNG streams
+    <root>/step-00000040/manifest.json     written last, create-only: the commit
+    <root>/latest                          a hint, updated after the commit
+
+Collective protocol of a save: every rank writes its files and reports ``(name, size,
+sha256)`` or its error to rank 0; rank 0 writes the manifest only if every file is
+durable, then tells every rank the outcome, so a failed save raises on all ranks alike.
+Restore: rank 0 picks the newest checkpoint whose manifest parses and whose files match
+their checksums (falling back and saying why), every rank loads from that one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.checkpoint.manifest import (
+    MANIFEST_NAME,
+    REPLICATED_FILE,
+    Manifest,
+    parse_step_dir,
+    rank_file_name,
+    step_dir_name,
+)
+from elastic_ddp.checkpoint.storage import FileRecord, Storage, open_storage
+from elastic_ddp.errors import CheckpointCorruptError, CheckpointError, NoValidCheckpointError
+from elastic_ddp.state import TrainState
+
+logger = logging.getLogger(__name__)
+
+LATEST_HINT = "latest"
+LEFTOVER_GRACE_S = 600.0
+"""A step directory without a manifest is removed only when it is older than the newest commit
+and has not been touched for this long: a live writer (another incarnation) may still be filling it."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One step directory as found in storage."""
+
+    step: int
+    path: str
+    manifest: Manifest | None
+    problem: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint chosen and loaded by :meth:`CheckpointManager.restore`."""
+
+    step: int
+    path: str
+    world_size: int
+    rank_state_reused: bool
+
+
+class CheckpointManager:
+    """Save and restore :class:`TrainState` under ``uri`` as one member of a process group."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        generation: int = 0,
+        keep: int = 3,
+        storage: Storage | None = None,
+    ) -> None:
+        if keep < 2:
+            raise CheckpointError(f"keep={keep}: at least 2 checkpoints must be kept so a corrupt one has a fallback")
+        self.uri = uri
+        self.storage = storage or open_storage(uri)
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id
+        self.generation = generation
+        self.keep = keep
+
+    # -- save --------------------------------------------------------------------
+
+    def save(self, state: TrainState) -> Manifest:
+        """Write this rank's files, then (rank 0) commit the manifest; raises on every rank if any part failed."""
+        step = state.counters.step
+        directory = self.storage.join(step_dir_name(step))
+        records, error = self._write_own_files(state, directory)
+        reports = self._gather_to_main((records, error))
+        outcome: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                outcome[0] = self._commit(state, directory, reports)
+            except CheckpointError as exc:
+                outcome[1] = str(exc)
+        self._broadcast_from_main(outcome)
+        manifest, failure = outcome
+        if failure is not None:
+            raise CheckpointError(f"checkpoint of step {step} was not committed: {failure}")
+        return manifest
+
+    def _write_own_files(self, state: TrainState, directory: str) -> tuple[dict[str, FileRecord], str | None]:
+        files: dict[str, Any] = {rank_file_name(self.rank): state.rank_state_dict()}
+        if self.rank == 0:
+            files[REPLICATED_FILE] = state.replicated_state_dict()
+        records: dict[str, FileRecord] = {}
+        try:
+            for name, payload in files.items():
+                records[name] = self.storage.write(self.storage.join(directory, name), [_serialize(payload)])
+        except (OSError, CheckpointError) as exc:
+            return records, f"rank {self.rank} could not write {name}: {exc}"
+        return records, None
+
+    def _commit(self, state: TrainState, directory: str, reports: list[Any]) -> Manifest:
+        failures = [error for _, error in reports if error]
+        if failures:
+            raise CheckpointError("; ".join(failures))
+        files: dict[str, FileRecord] = {}
+        for records, _ in reports:
+            files.update(records)
+        meta = state.meta()
+        manifest = Manifest(
+            step=meta["step"],
+            epoch=meta["epoch"],
+            cursor=meta["cursor"],
+            samples_seen=meta["samples_seen"],
+            world_size=self.world_size,
+            run_id=self.run_id,
+            generation=self.generation,
+            data_digest=meta["data_digest"],
+            fingerprint=meta["fingerprint"],
+            files=files,
+        )
+        self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
+        self.storage.replace(self.storage.join(LATEST_HINT), step_dir_name(manifest.step).encode())
+        logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
+        self.apply_retention()
+        return manifest
+
+    # -- discovery ---------------------------------------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every step directory, newest first, with its manifest when one parses."""
+        found = []
+        for name in self.storage.list_dir(self.storage.root):
+            step = parse_step_dir(name)
+            if step is not None:
+                found.append(self.describe(step))
+        return sorted(found, key=lambda info: info.step, reverse=True)
+
+    def describe(self, step: int) -> CheckpointInfo:
+        path = self.storage.join(step_dir_name(step))
+        manifest_path = self.storage.join(step_dir_name(step), MANIFEST_NAME)
+        if not self.storage.exists(manifest_path):
+            return CheckpointInfo(step, path, None, "no manifest (not committed)")
+        try:
+            manifest = Manifest.from_json(self.storage.read(manifest_path), manifest_path)
+        except CheckpointError as exc:
+            return CheckpointInfo(step, path, None, str(exc))
+        if manifest.step != step:
+            return CheckpointInfo(step, path, None, f"manifest says step {manifest.step}, directory says {step}")
+        return CheckpointInfo(step, path, manifest)
+
+    def verify(self, info: CheckpointInfo) -> dict[str, bytes]:
+        """Read every file of a committed checkpoint and check its size and checksum; return the bytes."""
+        if info.manifest is None:
+            raise CheckpointCorruptError(f"{info.path}: {info.problem}")
+        return {name: self.read_verified(info, name) for name in info.manifest.files}
+
+    def read_verified(self, info: CheckpointInfo, name: str) -> bytes:
+        assert info.manifest is not None
+        record = info.manifest.files.get(name)
+        path = self.storage.join(step_dir_name(info.step), name)
+        if record is None:
+            raise CheckpointCorruptError(f"{path}: not listed in the manifest")
+        try:
+            data = self.storage.read(path)
+        except CheckpointError as exc:
+            raise CheckpointCorruptError(f"{path}: missing ({exc})") from exc
+        if len(data) != record.size:
+            raise CheckpointCorruptError(f"{path}: size {len(data)} bytes, manifest says {record.size}")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != record.sha256:
+            raise CheckpointCorruptError(f"{path}: sha256 {digest[:12]}… does not match the manifest's {record.sha256[:12]}…")
+        return data
+
+    # -- restore -----------------------------------------------------------------
+
+    def restore(self, state: TrainState, allow_fresh_start: bool = False) -> Restored | None:
+        """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load."""
+        choice: list[Any] = [None, None]
+        preloaded: dict[str, bytes] = {}
+        if self.rank == 0:
+            choice, preloaded = self._choose_on_main()
+        self._broadcast_from_main(choice)
+        step, problem = choice
+        if step is None:
+            if problem and not allow_fresh_start:
+                raise NoValidCheckpointError(
+                    f"no valid checkpoint under {self.uri}: {problem}. Fix or move them, or pass "
+                    "--checkpoint-allow-fresh-start to start from step 0"
+                )
+            if problem:
+                logger.warning("no valid checkpoint under %s (%s); starting fresh as allowed", self.uri, problem)
+            return None
+        info = self.describe(step)
+        manifest = info.manifest
+        if manifest is None:
+            raise CheckpointCorruptError(f"{info.path}: {info.problem}")
+        replicated = _deserialize(preloaded.get(REPLICATED_FILE) or self.read_verified(info, REPLICATED_FILE), info.path)
+        reuse_rank_state = manifest.world_size == self.world_size
+        rank_local = None
+        if reuse_rank_state:
+            name = rank_file_name(self.rank)
+            rank_local = _deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
+        state.load_state_dict({"meta": manifest.meta(), "replicated": replicated, "rank_local": rank_local})
+        return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
+
+    def _choose_on_main(self) -> tuple[list[Any], dict[str, bytes]]:
+        problems: list[str] = []
+        for info in self.list():
+            if not info.committed and info.problem.startswith("no manifest"):
+                continue  # an unfinished write: never a candidate, not a defect
+            try:
+                data = self.verify(info)
+                _deserialize(data[REPLICATED_FILE], info.path)
+            except CheckpointError as exc:
+                logger.warning("skipping checkpoint %s: %s", info.path, exc)
+                problems.append(str(exc))
+                continue
+            if problems:
+                logger.warning("falling back to checkpoint %s after %d invalid newer one(s)", info.path, len(problems))
+            return [info.step, None], {name: blob for name, blob in data.items() if name in (REPLICATED_FILE, rank_file_name(0))}
+        return [None, "; ".join(problems) or None], {}
+
+    # -- retention ---------------------------------------------------------------
+
+    def apply_retention(self, now: float | None = None) -> list[str]:
+        """Remove committed checkpoints beyond the newest ``keep`` and stale unfinished writes."""
+        now = time.time() if now is None else now
+        infos = self.list()
+        committed = [info for info in infos if info.committed]
+        doomed = [info.path for info in committed[self.keep :]]
+        if committed:
+            newest = committed[0].step
+            doomed += [
+                info.path
+                for info in infos
+                if not info.committed and info.step < newest and now - self.storage.mtime(info.path) > LEFTOVER_GRACE_S
+            ]
+        for path in doomed:
+            self.storage.remove_tree(path)
+            logger.info("retention removed %s", path)
+        return doomed
+
+    # -- collectives -------------------------------------------------------------
+
+    def _gather_to_main(self, item: Any) -> list[Any]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return [item]
+        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(item, gathered if self.rank == 0 else None, dst=0)
+        return gathered
+
+    def _broadcast_from_main(self, items: list[Any]) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.broadcast_object_list(items, src=0)
+
+
+def _serialize(payload: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(data: bytes, where: str) -> Any:
+    """Load tensors and plain containers only: a checkpoint store is not trusted code."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad bytes
+        raise CheckpointCorruptError(f"{where}: cannot be loaded safely ({type(exc).__name__}: {exc})") from exc

@@ -1,0 +1,546 @@
+"""Training configuration: one frozen dataclass per component, nested in :class:`TrainConfig`.
+
+The command line is generated from these dataclasses: every field is a flag whose
+help text is the field's docstring. A field of a section is spelled
+``--<section>-<field>`` (``checkpoint.every`` is ``--checkpoint-every``); a
+top-level field is ``--<field>`` (``--max-steps``). A TOML or JSON file given with
+``--config`` is layered under the flags, with one table per section.
+
+Validation happens once, up front, in :meth:`TrainConfig.__post_init__`: every
+problem is collected and reported together, each naming its flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import sys
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from elastic_ddp.errors import ConfigError
+
+Problems = list[tuple[str, str]]
+"""(field name, what is wrong) pairs collected by a section's ``problems()``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the example MLP classifier; part of the resume fingerprint."""
+
+    input_dim: int = 32
+    """Number of input features."""
+    hidden_dim: int = 128
+    """Width of each hidden layer."""
+    num_layers: int = 2
+    """Number of hidden layers (each Linear + GELU)."""
+    num_classes: int = 8
+    """Number of output classes."""
+    dropout: float = 0.0
+    """Dropout probability after each hidden layer (exercises the RNG streams)."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        for name in ("input_dim", "hidden_dim", "num_layers"):
+            if getattr(self, name) < 1:
+                found.append((name, "must be >= 1"))
+        if self.num_classes < 2:
+            found.append(("num_classes", "must be >= 2"))
+        if not 0.0 <= self.dropout < 1.0:
+            found.append(("dropout", "must be in [0, 1)"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The generated dataset and how it is loaded."""
+
+    num_samples: int = 8192
+    """Training samples in the generated dataset (one epoch)."""
+    eval_samples: int = 1024
+    """Held-out samples used to report accuracy."""
+    generator_seed: int = 1234
+    """Seed of the teacher network that generates the dataset (fixes the task)."""
+    shuffle: bool = True
+    """Draw each epoch's order as a permutation of (seed, epoch); off: natural order."""
+    drop_last: bool = True
+    """Drop the tail of an epoch smaller than a global batch; off: the last step of an epoch is smaller."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0 loads in the training process)."""
+    prefetch_factor: int = 2
+    """Micro-batches each DataLoader worker loads ahead (only with num_workers > 0)."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if self.num_samples < 1:
+            found.append(("num_samples", "must be >= 1"))
+        if self.eval_samples < 0:
+            found.append(("eval_samples", "must be >= 0"))
+        if self.num_workers < 0:
+            found.append(("num_workers", "must be >= 0"))
+        if self.prefetch_factor < 1:
+            found.append(("prefetch_factor", "must be >= 1"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.999
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Shape of the learning rate after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    decay_steps: int = 0
+    """Step at which the decay reaches its floor; 0 means --max-steps. Set it explicitly when a
+    run is split into several launches with different --max-steps, so the schedule is the same."""
+    min_lr_ratio: float = 0.1
+    """Floor of the decay as a fraction of the peak learning rate."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            found.append(("lr", "must be a finite number > 0"))
+        if self.weight_decay < 0:
+            found.append(("weight_decay", "must be >= 0"))
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                found.append((name, "must be in [0, 1)"))
+        if self.eps <= 0:
+            found.append(("eps", "must be > 0"))
+        if self.warmup_steps < 0:
+            found.append(("warmup_steps", "must be >= 0"))
+        if self.decay_steps < 0:
+            found.append(("decay_steps", "must be >= 0 (0 means --max-steps)"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            found.append(("min_lr_ratio", "must be in [0, 1]"))
+        if self.grad_clip_norm < 0:
+            found.append(("grad_clip_norm", "must be >= 0 (0 disables clipping)"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are committed, and how a run resumes."""
+
+    dir: str = ""
+    """Checkpoint root: a local path or an fsspec URI (file://, s3://). Empty: no checkpoints."""
+    every: int = 0
+    """Commit a checkpoint every N steps; 0: only by time and at the end."""
+    every_seconds: float = 0.0
+    """Also commit when this many seconds passed since the last commit (agreed by all ranks); 0: off."""
+    keep: int = 3
+    """Committed checkpoints to keep (newest first); at least 2 so a corrupt newest one has a fallback."""
+    resume: bool = True
+    """Resume from the newest valid checkpoint under --checkpoint-dir when there is one."""
+    allow_fresh_start: bool = False
+    """When checkpoints exist but none verifies, start from step 0 instead of stopping with an error."""
+    save_final: bool = True
+    """Commit a checkpoint when the run reaches --max-steps or --max-epochs."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if self.every < 0:
+            found.append(("every", "must be >= 0"))
+        if self.every_seconds < 0 or not math.isfinite(self.every_seconds):
+            found.append(("every_seconds", "must be a finite number >= 0"))
+        if self.keep < 2:
+            found.append(("keep", "must be >= 2 so that a corrupt newest checkpoint has a fallback"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistConfig:
+    """Process group, device and the timeouts that turn a lost peer into an error."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend; auto: nccl when CUDA is available, else gloo."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device; auto: cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    init_timeout_s: float = 300.0
+    """Seconds to wait for every peer while forming the process group. On expiry the rank fails
+    with an error naming itself, the store address and this timeout. Raise it when nodes start
+    slowly; lower it to detect a missing peer sooner."""
+    collective_timeout_s: float = 600.0
+    """Seconds one collective may wait for its peers before failing (a dead or stuck peer
+    becomes an error and torchrun restarts the group). Must exceed the slowest step."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        for name in ("init_timeout_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                found.append((name, "must be a finite number of seconds > 0"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig:
+    """Logs, progress and metrics."""
+
+    every: int = 10
+    """Log loss and throughput every N steps (rank 0)."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the runtime's loggers."""
+    dir: str = ""
+    """Local directory for metrics.jsonl and per-rank log files. Empty: no files, stderr only."""
+    per_rank_files: bool = False
+    """Also write every rank's log to <log-dir>/rank-<N>.log."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Rank-0 progress bar on stderr; auto: only when stderr is a terminal."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if self.every < 1:
+            found.append(("every", "must be >= 1"))
+        if self.per_rank_files and not self.dir:
+            found.append(("per_rank_files", "needs --log-dir"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one training run needs. Sections are nested; top-level fields drive the loop."""
+
+    run_id: str = ""
+    """Name of the run, shown in every log line; empty: torchrun's --rdzv-id, else 'local'."""
+    seed: int = 0
+    """Seed of the model init, the epoch permutations and the RNG streams."""
+    max_steps: int = 100
+    """Stop after this many optimizer steps (counted over all launches of the run); 0: no limit."""
+    max_epochs: int = 0
+    """Stop at the end of this many epochs; 0: no limit. At least one of max_steps/max_epochs."""
+    global_batch_size: int = 64
+    """Samples per optimizer step over all ranks; unchanged when the world size changes."""
+    grad_accum_steps: int = 1
+    """Micro-batches each rank splits its share of a step into (gradient accumulation)."""
+    use_amp: bool = False
+    """Run forward and loss under torch.autocast."""
+    amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Autocast dtype; float16 also enables a gradient scaler."""
+    eval_every: int = 0
+    """Report held-out accuracy every N steps; 0: only at the end."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        messages = [f"{flag_name(section, name)}: {what}" for section, name, what in self._all_problems()]
+        if messages:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(messages))
+
+    def _all_problems(self) -> Iterator[tuple[str, str, str]]:
+        for section in section_names():
+            for name, what in getattr(self, section).problems():
+                yield section, name, what
+        for name, what in self.problems():
+            yield "", name, what
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if self.max_steps < 0:
+            found.append(("max_steps", "must be >= 0 (0: no limit)"))
+        if self.max_epochs < 0:
+            found.append(("max_epochs", "must be >= 0 (0: no limit)"))
+        if self.max_steps == 0 and self.max_epochs == 0:
+            found.append(("max_steps", "set --max-steps or --max-epochs (both are 0: the run would never end)"))
+        if self.global_batch_size < 1:
+            found.append(("global_batch_size", "must be >= 1"))
+        if self.grad_accum_steps < 1:
+            found.append(("grad_accum_steps", "must be >= 1"))
+        if self.eval_every < 0:
+            found.append(("eval_every", "must be >= 0"))
+        if self.global_batch_size > self.data.num_samples and self.data.drop_last:
+            found.append(
+                (
+                    "global_batch_size",
+                    f"{self.global_batch_size} is larger than the dataset ({self.data.num_samples} samples)"
+                    " with --data-drop-last: an epoch would have no step",
+                )
+            )
+        if self.optim.schedule != "constant" and self.optim.decay_steps == 0 and self.max_steps == 0:
+            found.append(("optim_decay_steps", "a decaying --optim-schedule needs --optim-decay-steps or --max-steps"))
+        return found
+
+    @property
+    def decay_steps(self) -> int:
+        """The step at which the learning-rate decay reaches its floor."""
+        return self.optim.decay_steps or self.max_steps
+
+
+# Fields that define what a checkpoint *is*; resuming with any of them changed is refused.
+# Everything else (max_steps, cadences, timeouts, logging, num_workers, ...) may change on resume.
+FINGERPRINT_FIELDS: tuple[str, ...] = (
+    "seed",
+    "global_batch_size",
+    "model.input_dim",
+    "model.hidden_dim",
+    "model.num_layers",
+    "model.num_classes",
+    "data.num_samples",
+    "data.generator_seed",
+    "data.shuffle",
+    "data.drop_last",
+)
+
+
+def fingerprint(config: TrainConfig) -> dict[str, Any]:
+    """The config values a checkpoint must agree with to be resumed by this run."""
+    return {name: _get_dotted(config, name) for name in FINGERPRINT_FIELDS}
+
+
+def fingerprint_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """Describe every fingerprint field whose saved value differs from the current one."""
+    return [
+        f"{flag_for_dotted(name)} was {saved.get(name)!r} in the checkpoint, is {current[name]!r} now"
+        for name in current
+        if saved.get(name) != current[name]
+    ]
+
+
+def config_digest(config: TrainConfig) -> str:
+    """A short stable hash of the whole config, for logs and run directories."""
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _get_dotted(config: TrainConfig, dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def section_names() -> tuple[str, ...]:
+    """Names of the nested sections of TrainConfig, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory))
+
+
+def flag_name(section: str, name: str) -> str:
+    """The command-line flag of a field: ``--<section>-<field>`` or ``--<field>`` at top level."""
+    stem = f"{section}_{name}" if section else name
+    return "--" + stem.replace("_", "-")
+
+
+def flag_for_dotted(dotted: str) -> str:
+    section, _, name = dotted.rpartition(".")
+    return flag_name(section, name)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field (the attribute-docstring convention)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not dataclasses.is_dataclass(f.default_factory):
+            yield f, hints[f.name]
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def build_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per config field, plus ``--config FILE``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML or JSON file layered under the flags")
+    _add_section_flags(parser.add_argument_group("training"), TrainConfig, "")
+    for section in section_names():
+        cls = _section_class(section)
+        _add_section_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section)
+    return parser
+
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def _section_class(section: str) -> type:
+    return typing.get_type_hints(TrainConfig)[section]
+
+
+def _add_section_flags(group: argparse._ArgumentGroup, cls: type, section: str) -> None:
+    docs = _field_docs(cls)
+    for f, hint in _leaf_fields(cls):
+        flag = flag_name(section, f.name)
+        dest = f"{section}.{f.name}" if section else f.name
+        default = _default_of(f)
+        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        if hint is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(hint) is Literal:
+            group.add_argument(flag, dest=dest, choices=typing.get_args(hint), help=help_text)
+        else:
+            group.add_argument(flag, dest=dest, type=str, metavar=_METAVARS[hint], help=help_text)
+
+
+def config_from_args(argv: Sequence[str] | None = None, prog: str | None = None) -> TrainConfig:
+    """Parse flags (over an optional config file over the defaults) into a validated TrainConfig.
+
+    Invalid values exit with status 2 and one line per problem, each naming its flag.
+    """
+    parser = build_parser(prog=prog)
+    namespace = vars(parser.parse_args(argv))
+    try:
+        values: dict[str, Any] = {}
+        config_file = namespace.pop("config", None)
+        if config_file:
+            values.update(_flatten(load_config_file(config_file)))
+        values.update(namespace)
+        return make_config(values)
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or JSON file into nested dicts."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc.strerror}") from exc
+    try:
+        if path.endswith(".toml"):
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # pragma: no cover - Python 3.10
+                import tomli as tomllib
+            return tomllib.loads(raw.decode())
+        return json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"--config: {path} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {exc}") from exc
+
+
+def _flatten(tree: Mapping[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            for sub, leaf in value.items():
+                flat[f"{key}.{sub}"] = leaf
+        else:
+            flat[key] = value
+    return flat
+
+
+def make_config(values: Mapping[str, Any]) -> TrainConfig:
+    """Build a TrainConfig from flat ``section.field`` keys; values may be strings (from the CLI).
+
+    Unknown keys and unconvertible values are reported together with the range checks.
+    """
+    known = {f"{section}.{f.name}" if section else f.name: (section, f, hint) for section, f, hint in _all_leaves()}
+    problems: list[str] = []
+    converted: dict[str, dict[str, Any]] = {section: {} for section in section_names()}
+    top: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in known:
+            problems.append(f"{key}: unknown setting")
+            continue
+        section, f, hint = known[key]
+        try:
+            value = _convert(raw, hint)
+        except ValueError as exc:
+            problems.append(f"{flag_name(section, f.name)}: {exc}")
+            continue
+        (converted[section] if section else top)[f.name] = value
+    sections = {name: _section_class(name)(**converted[name]) for name in section_names()}
+    try:
+        config = TrainConfig(**top, **sections)
+    except ConfigError as exc:
+        problems.extend(str(exc).splitlines()[1:])
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(p.strip() for p in problems))
+    return config
+
+
+def _all_leaves() -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    for f, hint in _leaf_fields(TrainConfig):
+        yield "", f, hint
+    for section in section_names():
+        for f, hint in _leaf_fields(_section_class(section)):
+            yield section, f, hint
+
+
+def _convert(raw: Any, hint: Any) -> Any:
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        if raw not in choices:
+            raise ValueError(f"{raw!r} is not one of {', '.join(map(repr, choices))}")
+        return raw
+    if hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{raw!r} is not a boolean")
+    if hint is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ValueError(f"{raw!r} is not an integer")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{raw!r} is not an integer") from None
+    if hint is float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{raw!r} is not a number") from None
+        if math.isnan(value):
+            raise ValueError("NaN is not allowed")
+        return value
+    if hint is str:
+        if not isinstance(raw, str):
+            raise ValueError(f"{raw!r} is not a string")
+        return raw
+    raise TypeError(f"unsupported config type {hint!r}")  # a bug in this module, not user input
+
+
+def to_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as nested plain dicts (for manifests and logs)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,200 @@
+"""The global data cursor (DESIGN.md, contract 1).
+
+An epoch's order is a permutation drawn from ``(seed, epoch)`` alone. The data
+position is ``{epoch, cursor}``: how many samples of that epoch's permutation the
+committed steps consumed, counted globally. Step k consumes the next
+``global_batch_size`` samples; only *how* they are split among the current ranks
+and micro-batches depends on the world size, never *which* samples form step k.
+
+Everything that decides positions is a pure function (:func:`plan_step`,
+:func:`split_evenly`); :class:`ElasticSampler` wraps them as a batch sampler for a
+standard ``DataLoader`` on any map-style dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from elastic_ddp.errors import DataError
+
+_EPOCH_SEED_STRIDE = 1_000_003  # a prime: (seed, epoch) pairs map to distinct generator seeds
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where the next step starts: sample ``cursor`` of epoch ``epoch``'s permutation."""
+
+    epoch: int = 0
+    cursor: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which slice of which epoch's permutation one step consumes, and where the next begins."""
+
+    epoch: int
+    start: int
+    stop: int
+    next_position: DataPosition
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(count)`` into ``parts`` contiguous ``(start, stop)`` ranges whose sizes differ by at most one.
+
+    The first ``count % parts`` ranges get the extra sample; ranges may be empty when ``count < parts``.
+    """
+    base, extra = divmod(count, parts)
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def normalize(position: DataPosition, dataset_len: int, global_batch_size: int, drop_last: bool) -> DataPosition:
+    """Move a position that has no full step left in its epoch to the start of the next epoch."""
+    remaining = dataset_len - position.cursor
+    if remaining <= 0 or (drop_last and remaining < global_batch_size):
+        return DataPosition(epoch=position.epoch + 1, cursor=0)
+    return position
+
+
+def plan_step(position: DataPosition, dataset_len: int, global_batch_size: int, drop_last: bool) -> StepPlan:
+    """The samples the step starting at ``position`` consumes.
+
+    With ``drop_last`` every step has exactly ``global_batch_size`` samples and an epoch's tail is
+    skipped; without it the last step of an epoch takes the remainder (smaller), so every sample
+    of every epoch is used exactly once.
+    """
+    position = normalize(position, dataset_len, global_batch_size, drop_last)
+    stop = min(position.cursor + global_batch_size, dataset_len)
+    after = normalize(DataPosition(position.epoch, stop), dataset_len, global_batch_size, drop_last)
+    return StepPlan(epoch=position.epoch, start=position.cursor, stop=stop, next_position=after)
+
+
+def epoch_permutation(seed: int, epoch: int, dataset_len: int, shuffle: bool) -> torch.Tensor:
+    """The order of epoch ``epoch``: a permutation drawn from ``(seed, epoch)`` alone (int64 tensor)."""
+    if not shuffle:
+        return torch.arange(dataset_len, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(seed * _EPOCH_SEED_STRIDE + epoch)
+    return torch.randperm(dataset_len, generator=generator, dtype=torch.int64)
+
+
+def update_data_digest(previous: str, step_ids: torch.Tensor) -> str:
+    """Chain one committed step's sample ids (sorted, so the split among ranks does not matter) into the digest."""
+    ids = torch.sort(step_ids.to(torch.int64)).values
+    hasher = hashlib.sha256(bytes.fromhex(previous))
+    hasher.update(ids.numpy().tobytes())
+    return hasher.hexdigest()
+
+
+EMPTY_DATA_DIGEST = hashlib.sha256(b"").hexdigest()
+"""The data digest of a run that has committed no step yet."""
+
+
+class ElasticSampler:
+    """Batch sampler implementing the global cursor; yields this rank's micro-batches of each step.
+
+    Use it as ``DataLoader(dataset, batch_sampler=sampler, ...)``. Iteration starts at the committed
+    position (:attr:`position`) and runs on across epochs; the trainer asks :meth:`plan` for the
+    next step, draws ``len(local_micro_batches(plan))`` micro-batches from the loader, and calls
+    :meth:`commit` once the step is done. Prefetching workers may run ahead; only :meth:`commit`
+    moves the position that checkpoints record.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        global_batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        grad_accum_steps: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is not in a world of size {world_size}")
+        if global_batch_size < 1 or grad_accum_steps < 1:
+            raise DataError("global_batch_size and grad_accum_steps must be >= 1")
+        if dataset_len < 1:
+            raise DataError("the dataset is empty")
+        if drop_last and dataset_len < global_batch_size:
+            raise DataError(
+                f"the dataset has {dataset_len} samples, fewer than one global batch ({global_batch_size}); "
+                "with drop_last no step could be formed: lower --global-batch-size or use --no-data-drop-last"
+            )
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.grad_accum_steps = grad_accum_steps
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.position = DataPosition()
+        # The loader's iterator may run an epoch ahead of the trainer: keep the two newest epochs.
+        self._permutations: dict[int, torch.Tensor] = {}
+
+    # -- state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.position.epoch, "cursor": self.position.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, cursor = int(state["epoch"]), int(state["cursor"])
+        if epoch < 0 or not 0 <= cursor <= self.dataset_len:
+            raise DataError(f"invalid sampler state epoch={epoch} cursor={cursor} for {self.dataset_len} samples")
+        self.position = DataPosition(epoch, cursor)
+
+    # -- planning --------------------------------------------------------------
+
+    def plan(self, position: DataPosition | None = None) -> StepPlan:
+        """The step that starts at ``position`` (default: the committed position)."""
+        return plan_step(position or self.position, self.dataset_len, self.global_batch_size, self.drop_last)
+
+    def commit(self, plan: StepPlan) -> None:
+        """Record that the step ``plan`` describes has been applied to the model."""
+        self.position = plan.next_position
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 2:
+                del self._permutations[min(self._permutations)]
+            self._permutations[epoch] = epoch_permutation(self.seed, epoch, self.dataset_len, self.shuffle)
+        return self._permutations[epoch]
+
+    def global_ids(self, plan: StepPlan) -> torch.Tensor:
+        """The sample ids every rank together consumes in the step."""
+        return self.permutation(plan.epoch)[plan.start : plan.stop]
+
+    def local_share(self, plan: StepPlan) -> tuple[int, int]:
+        """This rank's ``(start, stop)`` slice of the step's global batch."""
+        return split_evenly(plan.size, self.world_size)[self.rank]
+
+    def local_micro_batches(self, plan: StepPlan) -> list[list[int]]:
+        """This rank's micro-batches of the step (none when its share is empty)."""
+        start, stop = self.local_share(plan)
+        ids = self.global_ids(plan)[start:stop].tolist()
+        parts = min(self.grad_accum_steps, len(ids))
+        return [ids[a:b] for a, b in split_evenly(len(ids), parts)] if parts else []
+
+    # -- batch sampler protocol --------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position = self.position
+        while True:
+            plan = self.plan(position)
+            yield from self.local_micro_batches(plan)
+            position = plan.next_position

@@ -1,0 +1,167 @@
+"""Process-group lifecycle: read torchrun's environment, pick device and backend, form the group
+with a named timeout, and tear it down on every exit path.
+
+A rank that cannot reach its peers fails with :class:`DistributedInitError` naming the rank,
+the store address and the timeout, never a silent hang. Without torchrun's environment the
+runtime forms a one-rank group on an in-memory store, so the same code runs as a single process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.config import DistConfig
+from elastic_ddp.errors import DistributedInitError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun's agent) told this process, or the single-process defaults."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    restart_count: int
+    group_rank: int
+    under_launcher: bool
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if env is None else env
+        if "RANK" not in env:
+            return cls(0, 0, 1, 1, "127.0.0.1", 0, env.get("TORCHELASTIC_RUN_ID", "local"), 0, 0, False)
+        try:
+            return cls(
+                rank=int(env["RANK"]),
+                local_rank=int(env.get("LOCAL_RANK", "0")),
+                world_size=int(env["WORLD_SIZE"]),
+                local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+                run_id=env.get("TORCHELASTIC_RUN_ID", "local"),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                group_rank=int(env.get("GROUP_RANK", "0")),
+                under_launcher=True,
+            )
+        except KeyError as exc:
+            raise DistributedInitError(f"RANK is set but {exc.args[0]} is not: launch with torchrun") from exc
+        except ValueError as exc:
+            raise DistributedInitError(f"malformed launcher environment: {exc}") from exc
+
+
+def select_device(config: DistConfig, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK when asked for or available (auto), else cpu."""
+    want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DistributedInitError("--dist-device cuda was asked for but CUDA is not available")
+    if local_rank >= torch.cuda.device_count():
+        raise DistributedInitError(
+            f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+            "lower --nproc-per-node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def select_backend(config: DistConfig, device: torch.device) -> str:
+    """nccl for CUDA devices, gloo for CPU, unless the config names one."""
+    if config.backend != "auto":
+        if config.backend == "nccl" and device.type != "cuda":
+            raise DistributedInitError("--dist-backend nccl needs a CUDA device")
+        return config.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The formed process group as the rest of the runtime sees it."""
+
+    env: LaunchEnv
+    device: torch.device
+    backend: str
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+    if not env.under_launcher:
+        return dist.HashStore()
+    try:
+        store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise DistributedInitError(
+            f"rank {env.rank}: cannot reach the store at {env.master_addr}:{env.master_port} "
+            f"within --dist-init-timeout-s={timeout.total_seconds():g}: {exc}"
+        ) from exc
+    return store
+
+
+def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistContext:
+    """Form the default process group from the launcher's environment (or a one-rank group)."""
+    env = env or LaunchEnv.from_env()
+    device = select_device(config, env.local_rank)
+    backend = select_backend(config, device)
+    init_timeout = timedelta(seconds=config.init_timeout_s)
+    store = _open_store(env, init_timeout)
+    store.set_timeout(init_timeout)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=config.collective_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise DistributedInitError(
+            f"rank {env.rank}/{env.world_size}: could not form the {backend} process group through "
+            f"{env.master_addr}:{env.master_port} within --dist-init-timeout-s={config.init_timeout_s:g}: {exc}"
+        ) from exc
+    logger.info(
+        "process group formed: rank %d/%d backend=%s device=%s store=%s:%d",
+        env.rank, env.world_size, backend, device, env.master_addr, env.master_port,
+    )
+    return DistContext(env=env, device=device, backend=backend)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if one exists; safe to call on any exit path."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[DistContext]:
+    """Form the process group for the duration of a ``with`` block and always tear it down."""
+    context = init_distributed(config, env)
+    try:
+        yield context
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,372 @@
+"""The elastic step loop: global-cursor data, gradient accumulation, AMP, clipping, checkpoints.
+
+One step, on every rank::
+
+    plan = sampler.plan()                     # which samples form this step (world-size independent)
+    for each of this rank's micro-batches:    # no_sync on all but the last
+        loss = per_sample_loss.sum() * world_size / step_size
+        backward
+    clip, optimizer.step, scheduler.step      # DDP averaged => the mean over the global batch
+    sampler.commit(plan); data_digest += ids  # the position a checkpoint records
+
+Weighting each rank's summed loss by ``world_size / step_size`` makes DDP's averaged gradient
+equal to the mean over the whole global batch even when ranks hold unequal shares.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.config import TrainConfig, fingerprint
+from elastic_ddp.data import ElasticSampler, StepPlan, update_data_digest
+from elastic_ddp.distributed import DistContext
+from elastic_ddp.errors import DataError
+from elastic_ddp.logs import LogContext, main_only
+from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
+from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, seed_rng_streams
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(outputs, targets) -> per-sample losses (no reduction)."""
+
+
+def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.float(), targets, reduction="none")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    step: int
+    epoch: int
+    loss: float | None
+    accuracy: float | None
+    model_digest: str
+    data_digest: str
+
+
+def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
+    """Learning-rate factor at ``step``: linear warmup, then constant, cosine or linear decay to ``min_ratio``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or decay_steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (decay_steps - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - min_ratio) * progress
+
+
+class Trainer:
+    """Runs one launch of a training run; resumes from the newest valid checkpoint if there is one."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        context: DistContext,
+        model: torch.nn.Module,
+        train_data: Dataset,
+        *,
+        eval_data: Dataset | None = None,
+        loss_fn: LossFn = per_sample_cross_entropy,
+        log_context: LogContext | None = None,
+    ) -> None:
+        self.config = config
+        self.context = context
+        self.device = context.device
+        self.loss_fn = loss_fn
+        self.eval_data = eval_data
+        self.train_data = train_data
+        self.log_context = log_context
+        self.log0 = main_only(logger, context.rank)
+        self.model = model.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.optim.lr,
+            betas=(config.optim.beta1, config.optim.beta2),
+            eps=config.optim.eps,
+            weight_decay=config.optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        use_scaler = config.use_amp and config.amp_dtype == "float16"
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        self.sampler = ElasticSampler(
+            len(train_data),  # type: ignore[arg-type]
+            global_batch_size=config.global_batch_size,
+            seed=config.seed,
+            rank=context.rank,
+            world_size=context.world_size,
+            grad_accum_steps=config.grad_accum_steps,
+            shuffle=config.data.shuffle,
+            drop_last=config.data.drop_last,
+        )
+        self.state = TrainState(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            sampler=self.sampler,
+            fingerprint=fingerprint(config),
+            seed=config.seed,
+        )
+        self.checkpoints = self._make_checkpoint_manager()
+        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
+        self._restore_or_start_fresh()
+        self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._empty_batch: Any = None
+        self._last_commit_step = self.state.counters.step
+        self._last_commit_time = time.monotonic()
+
+    # -- setup -------------------------------------------------------------------
+
+    def _lr_lambda(self, step: int) -> float:
+        optim = self.config.optim
+        return lr_multiplier(
+            step, warmup=optim.warmup_steps, decay_steps=self.config.decay_steps,
+            schedule=optim.schedule, min_ratio=optim.min_lr_ratio,
+        )
+
+    def _make_checkpoint_manager(self) -> CheckpointManager | None:
+        if not self.config.checkpoint.dir:
+            return None
+        return CheckpointManager(
+            self.config.checkpoint.dir,
+            rank=self.context.rank,
+            world_size=self.context.world_size,
+            run_id=self.context.env.run_id,
+            generation=self.context.env.restart_count,
+            keep=self.config.checkpoint.keep,
+        )
+
+    def _restore_or_start_fresh(self) -> None:
+        restored = None
+        if self.checkpoints is not None and self.config.checkpoint.resume:
+            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start)
+        if restored is None:
+            seed_rng_streams(derive_rng_seed(self.config.seed, 0, self.context.rank))
+            self.log0.info("starting fresh at step 0 (world size %d)", self.context.world_size)
+            return
+        position = self.sampler.position
+        self.log0.info(
+            "resumed from %s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
+            restored.path, restored.step, position.epoch, position.cursor, restored.world_size,
+            self.context.world_size, "" if restored.rank_state_reused else "; RNG streams re-derived",
+        )
+
+    def _make_loader(self) -> Iterator[Any]:
+        workers = self.config.data.num_workers
+        loader = DataLoader(
+            self.train_data,
+            batch_sampler=self.sampler,
+            num_workers=workers,
+            prefetch_factor=self.config.data.prefetch_factor if workers else None,
+            pin_memory=self.device.type == "cuda",
+            # Workers' seeds come from this generator, not the global RNG, so building the loader
+            # leaves the model's RNG streams untouched (bitwise resume).
+            generator=torch.Generator().manual_seed(derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)),
+        )
+        return iter(loader)
+
+    # -- the loop ----------------------------------------------------------------
+
+    def done(self, plan: StepPlan) -> bool:
+        config = self.config
+        return (config.max_steps > 0 and self.state.counters.step >= config.max_steps) or (
+            config.max_epochs > 0 and plan.epoch >= config.max_epochs
+        )
+
+    def run(self) -> TrainResult:
+        """Train until max_steps / max_epochs; commit the final checkpoint; return digests."""
+        counters = self.state.counters
+        total = self.config.max_steps or 0
+        progress = Progress(total, Progress.wanted(self.config.log.progress, self.context.is_main))
+        timer = StepTimer()
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
+        batches = self._make_loader()
+        last_loss: float | None = None
+        try:
+            while not self.done(plan := self.sampler.plan()):
+                started = time.perf_counter()
+                data_wait = self._step(plan, batches, loss_sum)
+                timer.add(plan.size, time.perf_counter() - started, data_wait)
+                self._set_log_step(counters.step)
+                if counters.step % self.config.log.every == 0:
+                    last_loss = self._log_step(timer, loss_sum, plan)
+                    timer.reset()
+                    loss_sum.zero_()
+                progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
+                if self.config.eval_every and counters.step % self.config.eval_every == 0:
+                    self.evaluate()
+                if self._checkpoint_due():
+                    self.save_checkpoint()
+        finally:
+            progress.close()
+            del batches
+        if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
+            self.save_checkpoint()
+        accuracy = self.evaluate()
+        result = TrainResult(
+            step=counters.step,
+            epoch=self.sampler.position.epoch,
+            loss=last_loss,
+            accuracy=accuracy,
+            model_digest=model_digest(self.model.state_dict()),
+            data_digest=counters.data_digest,
+        )
+        self.log0.info(
+            "done: step=%d epoch=%d loss=%s accuracy=%s model_digest=%s data_digest=%s",
+            result.step, result.epoch, _fmt(result.loss), _fmt(result.accuracy), result.model_digest, result.data_digest,
+        )
+        self.metrics.write({"event": "done", **result.__dict__})
+        return result
+
+    def _step(self, plan: StepPlan, batches: Iterator[Any], loss_sum: torch.Tensor) -> float:
+        """One optimizer step over the plan's samples; returns the seconds spent waiting for data."""
+        micro_batches = self.sampler.local_micro_batches(plan)
+        weight = self.context.world_size / plan.size
+        data_wait = 0.0
+        count = max(len(micro_batches), 1)  # a rank with no share still joins the gradient all-reduce
+        for index in range(count):
+            waited = time.perf_counter()
+            if micro_batches:
+                batch = next(batches)
+                self._check_ids(batch, micro_batches[index], plan)
+            else:
+                batch = self._empty()
+            data_wait += time.perf_counter() - waited
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
+            sync = index == count - 1
+            with nullcontext() if sync else self.ddp.no_sync():
+                with torch.autocast(self.device.type, dtype=getattr(torch, self.config.amp_dtype), enabled=self.config.use_amp):
+                    losses = self.loss_fn(self.ddp(inputs), targets)
+                loss = losses.sum() * weight
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum[0] += losses.detach().sum()
+            loss_sum[1] += losses.numel()
+        self._optimizer_step()
+        counters = self.state.counters
+        counters.step += 1
+        counters.samples_seen += plan.size
+        counters.data_digest = update_data_digest(counters.data_digest, self.sampler.global_ids(plan))
+        self.sampler.commit(plan)
+        return data_wait
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if self.config.optim.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _check_ids(self, batch: Any, expected: list[int], plan: StepPlan) -> None:
+        """When the dataset returns sample ids, check the loader delivered exactly the planned samples."""
+        if len(batch) < 3:
+            return
+        got = batch[2].tolist()
+        if got != expected:
+            raise DataError(
+                f"rank {self.context.rank}: step {self.state.counters.step + 1} (epoch {plan.epoch}) expected samples "
+                f"{expected[:8]}… but the loader delivered {got[:8]}…: the DataLoader must use the ElasticSampler"
+            )
+
+    def _empty(self) -> Any:
+        """A zero-sample batch shaped like the dataset's samples (for a rank whose share of a step is empty)."""
+        if self._empty_batch is None:
+            self._empty_batch = [t[:0] for t in default_collate([self.train_data[0]])]
+        return self._empty_batch
+
+    # -- logging, eval, checkpoints ------------------------------------------------
+
+    def _set_log_step(self, step: int) -> None:
+        if self.log_context is not None:
+            self.log_context.set_step(step)
+
+    def _log_step(self, timer: StepTimer, loss_sum: torch.Tensor, plan: StepPlan) -> float:
+        totals = loss_sum.clone()
+        if self.context.world_size > 1:
+            dist.all_reduce(totals)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        summary = timer.summary()
+        lr = self.scheduler.get_last_lr()[0]
+        self.log0.info(
+            "loss %.4f | lr %.2e | %.0f samples/s | step %.1f ms | data wait %.1f ms | epoch %d | world %d",
+            loss, lr, summary["samples_per_s"], 1e3 * summary["step_time_s"], 1e3 * summary["data_wait_s"],
+            plan.epoch, self.context.world_size,
+        )
+        self.metrics.write(
+            {
+                "step": self.state.counters.step,
+                "epoch": self.sampler.position.epoch,
+                "loss": loss,
+                "lr": lr,
+                "world_size": self.context.world_size,
+                "time": time.time(),
+                **summary,
+            }
+        )
+        return loss
+
+    def evaluate(self) -> float | None:
+        """Accuracy of the current model on the held-out set (rank 0 computes and logs it)."""
+        if self.eval_data is None or not self.context.is_main or len(self.eval_data) == 0:  # type: ignore[arg-type]
+            return None
+        self.model.eval()
+        correct = total = 0
+        with torch.no_grad():
+            for batch in DataLoader(self.eval_data, batch_size=1024):
+                inputs, targets = (t.to(self.device) for t in batch[:2])
+                correct += int((self.model(inputs).argmax(dim=-1) == targets).sum())
+                total += targets.numel()
+        self.model.train()
+        accuracy = correct / total
+        logger.info("eval accuracy %.4f on %d held-out samples", accuracy, total)
+        self.metrics.write({"step": self.state.counters.step, "eval_accuracy": accuracy, "time": time.time()})
+        return accuracy
+
+    def _checkpoint_due(self) -> bool:
+        if self.checkpoints is None:
+            return False
+        config = self.config.checkpoint
+        if config.every and self.state.counters.step % config.every == 0:
+            return True
+        if not config.every_seconds:
+            return False
+        # Clocks differ between ranks: the decision is taken by all of them together.
+        due = torch.tensor([time.monotonic() - self._last_commit_time >= config.every_seconds], dtype=torch.int32, device=self.device)
+        if self.context.world_size > 1:
+            dist.all_reduce(due, op=dist.ReduceOp.MAX)
+        return bool(due.item())
+
+    def save_checkpoint(self) -> None:
+        assert self.checkpoints is not None
+        started = time.perf_counter()
+        self.checkpoints.save(self.state)
+        self._last_commit_step = self.state.counters.step
+        self._last_commit_time = time.monotonic()
+        self.log0.info("checkpoint of step %d took %.2f s", self.state.counters.step, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
