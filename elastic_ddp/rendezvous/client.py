@@ -1,0 +1,528 @@
+"""A thin etcd v3 client: only the operations the rendezvous and its store use.
+
+:class:`EtcdClient` is the interface the backend and the store are written against,
+so the etcd library behind it can be swapped (the unit tests use an in-memory fake).
+:class:`GrpcEtcdClient` implements it with the generated gRPC stubs of
+``etcd-sdk-python`` (``pyetcd.etcdrpc``) and adds what the rendezvous needs and
+``pyetcd.MultiEndpointEtcd3Client`` lacks (checked against etcd 3.5.1):
+
+- fail-over inside one call: an unreachable member or one without a leader is
+  skipped and the next endpoint is tried until the operation's deadline; the
+  pyetcd client fails the call and then blacklists the member for
+  ``time_retry`` (300 s by default), so a single-member etcd that was down for
+  10 s stays unusable for 5 minutes;
+- a re-login when etcd drops an auth token (simple tokens expire after 5 minutes
+  by default; pyetcd authenticates once, in its constructor);
+- errors that name the endpoints tried, raised ``from`` the gRPC error.
+
+Every operation gets one deadline (``request_timeout``) for all endpoint attempts
+together; each attempt gets an equal share of it, at least one second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import grpc
+from pyetcd import etcdrpc
+from pyetcd.etcdrpc import kv_pb2
+
+from elastic_ddp.rendezvous.errors import (
+    EtcdAuthError,
+    EtcdConnectionError,
+    EtcdLeaseNotFoundError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MIN_ATTEMPT_TIMEOUT_S = 1.0
+_RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# gRPC's own reconnect backoff grows to 120 s by default; a member that comes back
+# must be reachable again within about a second.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+_RETRY_ON_NEXT_ENDPOINT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_INVALID_TOKEN_MARKERS = ("invalid auth token", "auth token is expired")
+_AUTH_FAILURE_MARKERS = ("authentication failed", "user name is empty", "authentication is not enabled")
+
+
+# ---------------------------------------------------------------------------
+# Values exchanged through the interface
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd stores it."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    """Revision of the write that created the key (0 never occurs for an existing key)."""
+    mod_revision: int
+    """Revision of the last write to the key; the rendezvous uses it as fencing token."""
+    lease: int
+    """Id of the lease the key is attached to, 0 when none."""
+
+
+@dataclass(frozen=True)
+class TxnOutcome:
+    """Result of a conditional put."""
+
+    succeeded: bool
+    revision: int
+    """Store revision after the transaction; for a successful put, the key's new mod revision."""
+    current: KeyValue | None = None
+    """The key as it was when the condition failed (``None`` when it succeeded or the key is absent)."""
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """What one etcd member reports about itself."""
+
+    endpoint: str
+    version: str
+    member_id: int
+    leader_id: int
+    raft_term: int
+    revision: int
+
+
+@dataclass(frozen=True)
+class Absent:
+    """Condition: the key does not exist (its create revision is 0)."""
+
+
+@dataclass(frozen=True)
+class ModRevisionIs:
+    """Condition: the key's last write happened at ``revision``."""
+
+    revision: int
+
+
+@dataclass(frozen=True)
+class ValueIs:
+    """Condition: the key exists and holds exactly ``value``."""
+
+    value: bytes
+
+
+Condition = Absent | ModRevisionIs | ValueIs
+
+
+class EtcdClient(Protocol):
+    """The etcd operations the rendezvous backend and store need.
+
+    Implementations raise :class:`EtcdConnectionError` (or a subclass) when etcd
+    cannot be reached before the operation's deadline, and
+    :class:`EtcdLeaseNotFoundError` when a write names a lease etcd no longer has.
+    """
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The ``host:port`` endpoints this client may talk to."""
+
+    def get(self, key: bytes) -> KeyValue | None:
+        """The key, or ``None`` when it does not exist."""
+
+    def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
+        """The keys (``None`` for absent ones) read at one revision, and that revision."""
+
+    def count_prefix(self, prefix: bytes) -> int:
+        """How many keys start with ``prefix``."""
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """Write unconditionally; returns the new revision."""
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], lease: int = 0) -> int:
+        """Write all items in one transaction; returns the new revision."""
+
+    def put_if(self, key: bytes, value: bytes, condition: Condition, lease: int = 0) -> TxnOutcome:
+        """Write only if ``condition`` holds, in one transaction that also reads the key otherwise."""
+
+    def delete(self, key: bytes) -> bool:
+        """Delete the key; ``True`` if it existed."""
+
+    def wait_for_put(self, key: bytes, after_revision: int, timeout: float) -> bool:
+        """Block until the key is written after ``after_revision``; ``False`` on timeout.
+
+        ``True`` may also mean "history was compacted, look again".
+        """
+
+    def lease_grant(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds; returns its id."""
+
+    def lease_refresh(self, lease_id: int) -> int:
+        """Restart the lease's TTL; returns the TTL in seconds, 0 if the lease is gone."""
+
+    def status(self) -> MemberStatus:
+        """Status of the member that answers."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+# ---------------------------------------------------------------------------
+# gRPC implementation
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """How to reach etcd: endpoints, per-operation deadline, TLS and credentials."""
+
+    endpoints: tuple[str, ...]
+    """``host:port`` of each member to try, in order."""
+    request_timeout: float
+    """Seconds one operation may take across all endpoint attempts before it fails."""
+    ca_cert: str | None = None
+    """PEM file of the CA that signed the members' certificates; enables TLS."""
+    cert: str | None = None
+    """PEM client certificate for mutual TLS (needs ``key``)."""
+    key: str | None = None
+    """PEM private key of ``cert``."""
+    use_tls: bool = False
+    """Use TLS even without a CA file (then the system's root CAs verify the members)."""
+    user: str | None = None
+    """etcd user name; with ``password`` enables etcd authentication."""
+    password: str | None = field(default=None, repr=False)
+    """Password of ``user``; never logged or put into a message."""
+
+    @property
+    def secure(self) -> bool:
+        """Whether channels use TLS."""
+        return self.use_tls or any((self.ca_cert, self.cert, self.key))
+
+
+class GrpcEtcdClient:
+    """:class:`EtcdClient` over gRPC, with fail-over across ``options.endpoints``.
+
+    Thread-safe: the rendezvous handler's keep-alive timer and the agent's main
+    thread share one client.
+    """
+
+    def __init__(self, options: ClientOptions) -> None:
+        if not options.endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        self._options = options
+        self._credentials = _channel_credentials(options) if options.secure else None
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._preferred = 0
+        self._token: str | None = None
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """See :class:`EtcdClient`."""
+        return self._options.endpoints
+
+    # -- KV ---------------------------------------------------------------
+
+    def get(self, key: bytes) -> KeyValue | None:
+        """See :class:`EtcdClient`."""
+        response = self._call("get", lambda ch, t, md: etcdrpc.KVStub(ch).Range(
+            etcdrpc.RangeRequest(key=key), timeout=t, metadata=md))
+        return _to_key_value(response.kvs[0]) if response.kvs else None
+
+    def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
+        """See :class:`EtcdClient`."""
+        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key)) for key in keys]
+        response = self._txn("get_many", etcdrpc.TxnRequest(success=ops))
+        values = [_first_key_value(op.response_range.kvs) for op in response.responses]
+        return values, response.header.revision
+
+    def count_prefix(self, prefix: bytes) -> int:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.RangeRequest(key=prefix, range_end=_prefix_end(prefix), count_only=True)
+        response = self._call("count_prefix", lambda ch, t, md: etcdrpc.KVStub(ch).Range(
+            request, timeout=t, metadata=md))
+        return int(response.count)
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
+        response = self._call("put", lambda ch, t, md: etcdrpc.KVStub(ch).Put(
+            request, timeout=t, metadata=md))
+        return response.header.revision
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], lease: int = 0) -> int:
+        """See :class:`EtcdClient`."""
+        ops = [_put_op(key, value, lease) for key, value in items]
+        return self._txn("put_many", etcdrpc.TxnRequest(success=ops)).header.revision
+
+    def put_if(self, key: bytes, value: bytes, condition: Condition, lease: int = 0) -> TxnOutcome:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(key, condition)],
+            success=[_put_op(key, value, lease)],
+            failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))],
+        )
+        response = self._txn("put_if", request)
+        if response.succeeded:
+            return TxnOutcome(True, response.header.revision)
+        current = _first_key_value(response.responses[0].response_range.kvs)
+        return TxnOutcome(False, response.header.revision, current)
+
+    def delete(self, key: bytes) -> bool:
+        """See :class:`EtcdClient`."""
+        response = self._call("delete", lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(
+            etcdrpc.DeleteRangeRequest(key=key), timeout=t, metadata=md))
+        return response.deleted > 0
+
+    def wait_for_put(self, key: bytes, after_revision: int, timeout: float) -> bool:
+        """See :class:`EtcdClient`."""
+        create = etcdrpc.WatchCreateRequest(
+            key=key, start_revision=after_revision + 1, filters=[etcdrpc.WatchCreateRequest.NODELETE]
+        )
+        return self._call("watch", lambda ch, t, md: _watch_for_put(ch, create, t, md), timeout=timeout)
+
+    # -- leases, status ---------------------------------------------------
+
+    def lease_grant(self, ttl: int) -> int:
+        """See :class:`EtcdClient`."""
+        response = self._call("lease_grant", lambda ch, t, md: etcdrpc.LeaseStub(ch).LeaseGrant(
+            etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=t, metadata=md))
+        if response.error:
+            raise EtcdConnectionError("etcd at %s refused a %ds lease: %s" % (self._endpoint_list(), ttl, response.error))
+        return int(response.ID)
+
+    def lease_refresh(self, lease_id: int) -> int:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        return self._call("lease_refresh", lambda ch, t, md: _keep_alive_once(ch, request, t, md))
+
+    def status(self) -> MemberStatus:
+        """See :class:`EtcdClient`."""
+        response, endpoint = self._call_on_any("status", lambda ch, t, md: etcdrpc.MaintenanceStub(ch).Status(
+            etcdrpc.StatusRequest(), timeout=t, metadata=md))
+        return MemberStatus(
+            endpoint=endpoint,
+            version=response.version,
+            member_id=int(response.header.member_id),
+            leader_id=int(response.leader),
+            raft_term=int(response.raftTerm),
+            revision=int(response.header.revision),
+        )
+
+    def close(self) -> None:
+        """See :class:`EtcdClient`."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+    # -- call machinery ---------------------------------------------------
+
+    def _txn(self, what: str, request: etcdrpc.TxnRequest) -> etcdrpc.TxnResponse:
+        return self._call(what, lambda ch, t, md: etcdrpc.KVStub(ch).Txn(request, timeout=t, metadata=md))
+
+    def _call(self, what: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float | None = None) -> T:
+        """Run ``rpc`` on the preferred endpoint, failing over until the deadline."""
+        return self._call_on_any(what, rpc, timeout)[0]
+
+    def _call_on_any(
+        self, what: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float | None = None
+    ) -> tuple[T, str]:
+        """Like :meth:`_call`; also returns the endpoint that answered."""
+        budget = self._options.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        attempt_timeout = max(_MIN_ATTEMPT_TIMEOUT_S, budget / len(self.endpoints))
+        failures: list[str] = []
+        last_exc: grpc.RpcError | None = None
+        for index in self._rotation(deadline):
+            endpoint = self.endpoints[index]
+            remaining = min(deadline - time.monotonic(), attempt_timeout)
+            try:
+                result = self._attempt(endpoint, rpc, remaining)
+            except grpc.RpcError as exc:
+                self._raise_unless_retryable(what, endpoint, exc)
+                failures.append("%s: %s" % (endpoint, _describe(exc)))
+                last_exc = exc
+                continue
+            self._set_preferred(index)
+            return result, endpoint
+        raise EtcdConnectionError(
+            "etcd %s failed: no endpoint answered within %.1fs (tried %s; last errors: %s)"
+            % (what, budget, self._endpoint_list(), "; ".join(failures[-len(self.endpoints):]) or "no attempt")
+        ) from last_exc
+
+    def _rotation(self, deadline: float) -> Iterator[int]:
+        """Endpoint indexes to try, starting at the preferred one, cycling with backoff until the deadline."""
+        count = len(self.endpoints)
+        start = self._preferred_index()
+        cycle = 0
+        while time.monotonic() < deadline:
+            for offset in range(count):
+                if time.monotonic() >= deadline:
+                    return
+                yield (start + offset) % count
+            pause = _RETRY_BACKOFF_S[min(cycle, len(_RETRY_BACKOFF_S) - 1)]
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            cycle += 1
+
+    def _attempt(self, endpoint: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float) -> T:
+        """One RPC against one endpoint, logging in (again) when etcd wants a token."""
+        channel = self._channel(endpoint)
+        try:
+            return rpc(channel, timeout, self._metadata(channel, timeout))
+        except grpc.RpcError as exc:
+            if not _is_invalid_token(exc) or not self._options.user:
+                raise
+            logger.info("etcd auth token rejected by %s, logging in again", endpoint)
+            self._clear_token()
+            return rpc(channel, timeout, self._metadata(channel, timeout))
+
+    def _raise_unless_retryable(self, what: str, endpoint: str, exc: grpc.RpcError) -> None:
+        code = exc.code()
+        if code in _RETRY_ON_NEXT_ENDPOINT:
+            logger.debug("etcd %s on %s failed (%s), trying the next endpoint", what, endpoint, _describe(exc))
+            return
+        detail = "etcd %s on %s failed: %s" % (what, endpoint, _describe(exc))
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
+            raise EtcdLeaseNotFoundError(detail) from exc
+        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED) or _is_auth_failure(exc):
+            raise EtcdAuthError(detail + " (check user, password and TLS settings in --rdzv-conf)") from exc
+        raise EtcdConnectionError(detail) from exc
+
+    def _metadata(self, channel: grpc.Channel, timeout: float) -> _Metadata:
+        if not self._options.user:
+            return None
+        with self._lock:
+            token = self._token
+        if token is None:
+            request = etcdrpc.AuthenticateRequest(name=self._options.user, password=self._options.password or "")
+            token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
+            with self._lock:
+                self._token = token
+        return (("token", token),)
+
+    def _clear_token(self) -> None:
+        with self._lock:
+            self._token = None
+
+    def _channel(self, endpoint: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = self._open_channel(endpoint)
+                self._channels[endpoint] = channel
+            return channel
+
+    def _open_channel(self, endpoint: str) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(endpoint, self._credentials, options=_CHANNEL_OPTIONS)
+        return grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+
+    def _preferred_index(self) -> int:
+        with self._lock:
+            return self._preferred
+
+    def _set_preferred(self, index: int) -> None:
+        with self._lock:
+            self._preferred = index
+
+    def _endpoint_list(self) -> str:
+        return ",".join(self.endpoints)
+
+
+_Metadata = tuple[tuple[str, str], ...] | None
+
+
+def _keep_alive_once(
+    channel: grpc.Channel, request: etcdrpc.LeaseKeepAliveRequest, timeout: float, metadata: _Metadata
+) -> int:
+    """Send one keep-alive on a fresh stream; the lease's TTL, 0 when etcd does not know it."""
+    for response in etcdrpc.LeaseStub(channel).LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata):
+        return int(response.TTL)
+    return 0
+
+
+def _watch_for_put(
+    channel: grpc.Channel, create: etcdrpc.WatchCreateRequest, timeout: float, metadata: _Metadata
+) -> bool:
+    """Open a watch from ``create.start_revision``; ``True`` at the first PUT, ``False`` at the timeout."""
+    done = threading.Event()
+
+    def requests() -> Iterator[etcdrpc.WatchRequest]:
+        yield etcdrpc.WatchRequest(create_request=create)
+        done.wait()  # keep the request stream open until the watch ends
+
+    call = etcdrpc.WatchStub(channel).Watch(requests(), timeout=timeout, metadata=metadata)
+    try:
+        for response in call:
+            if response.canceled or any(event.type == kv_pb2.Event.PUT for event in response.events):
+                return True
+        return False
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return False
+        raise
+    finally:
+        done.set()
+        call.cancel()
+
+
+def _channel_credentials(options: ClientOptions) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_optional(options.ca_cert),
+        private_key=_read_optional(options.key),
+        certificate_chain=_read_optional(options.cert),
+    )
+
+
+def _read_optional(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as handle:
+        return handle.read()
+
+
+def _compare(key: bytes, condition: Condition) -> etcdrpc.Compare:
+    equal = etcdrpc.Compare.EQUAL
+    if isinstance(condition, Absent):
+        return etcdrpc.Compare(key=key, result=equal, target=etcdrpc.Compare.CREATE, create_revision=0)
+    if isinstance(condition, ModRevisionIs):
+        return etcdrpc.Compare(key=key, result=equal, target=etcdrpc.Compare.MOD, mod_revision=condition.revision)
+    return etcdrpc.Compare(key=key, result=equal, target=etcdrpc.Compare.VALUE, value=condition.value)
+
+
+def _put_op(key: bytes, value: bytes, lease: int) -> etcdrpc.RequestOp:
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def _to_key_value(kv: kv_pb2.KeyValue) -> KeyValue:
+    return KeyValue(kv.key, kv.value, int(kv.create_revision), int(kv.mod_revision), int(kv.lease))
+
+
+def _first_key_value(kvs: Sequence[kv_pb2.KeyValue]) -> KeyValue | None:
+    return _to_key_value(kvs[0]) if kvs else None
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with ``prefix``."""
+    trimmed = prefix.rstrip(b"\xff")
+    if not trimmed:
+        return b"\x00"
+    return trimmed[:-1] + bytes([trimmed[-1] + 1])
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    return "%s %s" % (exc.code().name, exc.details() or "")
+
+
+def _is_invalid_token(exc: grpc.RpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return any(marker in details for marker in _INVALID_TOKEN_MARKERS)
+
+
+def _is_auth_failure(exc: grpc.RpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return any(marker in details for marker in _AUTH_FAILURE_MARKERS)

@@ -1,0 +1,79 @@
+"""The etcd lease that bounds the life of every key one rendezvous participant writes.
+
+etcd deletes the keys attached to a lease when the lease is not refreshed for its
+TTL. The backend attaches the rendezvous state to the writer's lease and refreshes
+it on every ``set_state``; the store attaches its keys to the same lease and
+refreshes it at most every ``ttl / 10`` seconds. A run id that is reused after all
+its agents are gone therefore starts from an empty rendezvous once ``ttl`` has
+passed, instead of seeing stale (closed) rounds forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from elastic_ddp.rendezvous.client import EtcdClient
+from elastic_ddp.rendezvous.errors import EtcdLeaseNotFoundError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_REFRESH_FRACTION = 10
+
+
+class LeaseKeeper:
+    """Grants one lease lazily, refreshes it, and replaces it when etcd has dropped it.
+
+    Thread-safe; shared by the backend and the store of one handler.
+    """
+
+    def __init__(self, client: EtcdClient, ttl: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._ttl = ttl
+        self._clock = clock
+        self._refresh_interval = ttl / _REFRESH_FRACTION
+        self._lock = threading.Lock()
+        self._lease_id: int | None = None
+        self._refreshed_at = 0.0
+
+    @property
+    def ttl(self) -> int:
+        """The lease TTL in seconds."""
+        return self._ttl
+
+    def write(self, put: Callable[[int], T], refresh: bool = False) -> T:
+        """Call ``put(lease_id)``; on a lease that etcd no longer knows, grant a new one and call it again.
+
+        ``refresh=True`` restarts the lease's TTL before the write even if it was
+        refreshed recently.
+        """
+        lease_id = self.current(refresh)
+        try:
+            return put(lease_id)
+        except EtcdLeaseNotFoundError:
+            logger.info("etcd lease %x expired, granting a new one", lease_id)
+            self._forget(lease_id)
+            return put(self.current())
+
+    def current(self, refresh: bool = False) -> int:
+        """The live lease id, granting or refreshing as needed."""
+        with self._lock:
+            now = self._clock()
+            if self._lease_id is not None and (refresh or now - self._refreshed_at >= self._refresh_interval):
+                if self._client.lease_refresh(self._lease_id) <= 0:
+                    logger.info("etcd lease %x expired, granting a new one", self._lease_id)
+                    self._lease_id = None
+                self._refreshed_at = now
+            if self._lease_id is None:
+                self._lease_id = self._client.lease_grant(self._ttl)
+                self._refreshed_at = now
+            return self._lease_id
+
+    def _forget(self, lease_id: int) -> None:
+        with self._lock:
+            if self._lease_id == lease_id:
+                self._lease_id = None

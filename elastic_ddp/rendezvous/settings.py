@@ -1,0 +1,246 @@
+"""Parse and validate ``--rdzv-endpoint`` and ``--rdzv-conf`` for the ``etcd-v3`` rendezvous.
+
+Every problem is collected and reported at once, as one :class:`EtcdConfigError`
+(a ``ValueError``) that names each bad key and its value. The password is never
+echoed.
+
+``--rdzv-conf`` keys:
+
+==========================  ===========================================================
+``key_prefix``              etcd key prefix of all rendezvous keys (default
+                            ``/elastic_ddp/rdzv/``); the run id is appended.
+``ttl``                     seconds the rendezvous state and store keys outlive their
+                            last write (default 7200). A job that reuses a run id
+                            within this time sees the old (e.g. closed) rendezvous.
+``read_timeout``            seconds one etcd operation (all endpoints together) and one
+                            agent-store wait may take before failing (default 60, or
+                            ``join_timeout`` if that is shorter; may not exceed it).
+``cacert``, ``cert``,       PEM files for TLS: the CA that signed the etcd members, and
+``key``                     the client certificate and key for mutual TLS.
+``user``, ``password``      etcd credentials (both or neither).
+``join_timeout``,           torch's ``DynamicRendezvousHandler`` timeouts in seconds;
+``last_call_timeout``,      validated here (positive integers), applied by torch.
+``close_timeout``,
+``heartbeat_timeout``
+``keep_alive_interval``,    seconds between heartbeats, and how many missed heartbeats
+``keep_alive_max_attempt``  make a node dead; positive integers, applied by torch.
+``timeout``                 added by torchrun to every backend's config; the dynamic
+                            handler does not read it (use ``join_timeout``).
+==========================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from elastic_ddp.rendezvous.client import ClientOptions
+from elastic_ddp.rendezvous.errors import EtcdConfigError
+
+DEFAULT_PORT = 2379
+DEFAULT_KEY_PREFIX = "/elastic_ddp/rdzv/"
+DEFAULT_TTL_S = 7200
+DEFAULT_READ_TIMEOUT_S = 60
+
+# torch's defaults (dynamic_rendezvous.RendezvousTimeout, create_handler); used only
+# to check relations between settings the user did not all give.
+_TORCH_DEFAULTS = {
+    "join_timeout": 600,
+    "last_call_timeout": 30,
+    "close_timeout": 30,
+    "heartbeat_timeout": 5,
+    "keep_alive_interval": 5,
+    "keep_alive_max_attempt": 3,
+}
+_OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "cacert", "cert", "key", "user", "password")
+_LAUNCHER_KEYS = ("timeout",)
+KNOWN_KEYS = frozenset(_OWN_KEYS) | frozenset(_TORCH_DEFAULTS) | frozenset(_LAUNCHER_KEYS)
+_UNSIGNED_INT = re.compile(r"^\s*\d+\s*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdRendezvousSettings:
+    """Everything the ``etcd-v3`` backend and store need, validated."""
+
+    endpoints: tuple[str, ...]
+    """``host:port`` of each etcd member, tried in this order."""
+    run_id: str
+    """torchrun's ``--rdzv-id``; part of every key."""
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    """Prefix of all keys, ending in ``/``."""
+    ttl: int = DEFAULT_TTL_S
+    """Seconds the state and store keys live after their lease was last refreshed."""
+    read_timeout: int = DEFAULT_READ_TIMEOUT_S
+    """Deadline in seconds of one etcd operation across all endpoints; also the agent store's timeout.
+    When it expires the operation raises ``RendezvousConnectionError`` (store: ``DistStoreError``)."""
+    use_tls: bool = False
+    """Whether the endpoints were given as ``https://``."""
+    ca_cert: str | None = None
+    """CA bundle that verifies the members (``cacert``)."""
+    cert: str | None = None
+    """Client certificate for mutual TLS."""
+    key: str | None = None
+    """Private key of ``cert``."""
+    user: str | None = None
+    """etcd user."""
+    password: str | None = field(default=None, repr=False)
+    """Password of ``user``; never logged."""
+
+    @property
+    def run_prefix(self) -> str:
+        """Prefix of every key of this run: ``<key_prefix><run_id>/``."""
+        return "%s%s/" % (self.key_prefix, self.run_id)
+
+    def client_options(self) -> ClientOptions:
+        """Connection settings for :class:`~elastic_ddp.rendezvous.client.GrpcEtcdClient`."""
+        return ClientOptions(
+            endpoints=self.endpoints,
+            request_timeout=float(self.read_timeout),
+            ca_cert=self.ca_cert,
+            cert=self.cert,
+            key=self.key,
+            use_tls=self.use_tls,
+            user=self.user,
+            password=self.password,
+        )
+
+    @classmethod
+    def from_config(cls, endpoint: str, run_id: str, config: Mapping[str, Any]) -> EtcdRendezvousSettings:
+        """Validate torchrun's endpoint, run id and ``--rdzv-conf`` mapping.
+
+        Raises:
+            EtcdConfigError: listing every invalid or unknown key with its value.
+        """
+        issues: list[str] = []
+        endpoints, use_tls = parse_endpoints(endpoint, issues)
+        _check_run_id(run_id, issues)
+        _check_unknown_keys(config, issues)
+        ints = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
+        ttl = _positive_int(config, "ttl", DEFAULT_TTL_S, issues)
+        read_timeout = _read_timeout(config, ints["join_timeout"], issues)
+        _check_ttl(config, ttl, ints, issues)
+        tls = _tls_files(config, issues)
+        user, password = _credentials(config, issues)
+        key_prefix = _key_prefix(config, issues)
+        if issues:
+            raise EtcdConfigError(
+                "invalid etcd-v3 rendezvous settings (--rdzv-endpoint/--rdzv-conf):\n  " + "\n  ".join(issues)
+            )
+        return cls(
+            endpoints=endpoints,
+            run_id=run_id,
+            key_prefix=key_prefix,
+            ttl=ttl,
+            read_timeout=read_timeout,
+            use_tls=use_tls,
+            user=user,
+            password=password,
+            **tls,
+        )
+
+
+def parse_endpoints(endpoint: str, issues: list[str]) -> tuple[tuple[str, ...], bool]:
+    """Split ``host[:port][,host[:port]...]`` (optionally ``http://``/``https://``) into endpoints.
+
+    Returns the ``host:port`` targets and whether TLS was asked for with ``https://``.
+    """
+    entries = [entry.strip() for entry in (endpoint or "").split(",") if entry.strip()]
+    if not entries:
+        issues.append("--rdzv-endpoint is empty; give host:port[,host:port...] of the etcd members")
+        return (), False
+    parsed = [_parse_endpoint(entry, issues) for entry in entries]
+    schemes = {scheme for _, scheme in parsed if scheme}
+    if len(schemes) > 1:
+        issues.append("--rdzv-endpoint=%s mixes http:// and https:// members" % endpoint)
+    return tuple(target for target, _ in parsed if target), schemes == {"https"}
+
+
+def _parse_endpoint(entry: str, issues: list[str]) -> tuple[str, str]:
+    scheme, _, rest = entry.rpartition("://")
+    if scheme not in ("", "http", "https"):
+        issues.append("--rdzv-endpoint entry %r: scheme must be http:// or https://" % entry)
+        return "", scheme
+    try:
+        parts = urlsplit("//" + rest)
+        host, port = parts.hostname, parts.port or DEFAULT_PORT
+    except ValueError:
+        host, port = None, 0
+    if not host or parts.path or not 0 < port < 65536:
+        issues.append("--rdzv-endpoint entry %r is not host[:port]" % entry)
+        return "", scheme
+    return ("[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)), scheme
+
+
+def _check_run_id(run_id: str, issues: list[str]) -> None:
+    if not run_id or "/" in run_id or run_id != run_id.strip():
+        issues.append("--rdzv-id=%r must be non-empty, without '/' or surrounding spaces" % run_id)
+
+
+def _check_unknown_keys(config: Mapping[str, Any], issues: list[str]) -> None:
+    unknown = sorted(set(config) - KNOWN_KEYS)
+    if unknown:
+        issues.append(
+            "unknown --rdzv-conf key(s) %s; known keys: %s" % (", ".join(unknown), ", ".join(sorted(KNOWN_KEYS)))
+        )
+
+
+def _positive_int(config: Mapping[str, Any], name: str, default: int, issues: list[str]) -> int:
+    value = config.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not _UNSIGNED_INT.match(str(value)) or int(value) <= 0:
+        issues.append("%s=%r must be a positive integer" % (name, value))
+        return default
+    return int(value)
+
+
+def _read_timeout(config: Mapping[str, Any], join_timeout: int, issues: list[str]) -> int:
+    if config.get("read_timeout") is None:
+        return min(DEFAULT_READ_TIMEOUT_S, join_timeout)
+    read_timeout = _positive_int(config, "read_timeout", DEFAULT_READ_TIMEOUT_S, issues)
+    if read_timeout > join_timeout:
+        issues.append(
+            "read_timeout=%d exceeds join_timeout=%d: an unreachable etcd must fail the join in time"
+            % (read_timeout, join_timeout)
+        )
+    return read_timeout
+
+
+def _check_ttl(config: Mapping[str, Any], ttl: int, ints: Mapping[str, int], issues: list[str]) -> None:
+    liveness = ints["keep_alive_interval"] * ints["keep_alive_max_attempt"]
+    if ttl <= liveness:
+        issues.append(
+            "ttl=%r must exceed keep_alive_interval*keep_alive_max_attempt=%d, or live rendezvous state expires"
+            % (config.get("ttl", ttl), liveness)
+        )
+
+
+def _tls_files(config: Mapping[str, Any], issues: list[str]) -> dict[str, str | None]:
+    files = {"ca_cert": config.get("cacert"), "cert": config.get("cert"), "key": config.get("key")}
+    for option, path in zip(("cacert", "cert", "key"), files.values()):
+        if path is not None and not os.access(str(path), os.R_OK):
+            issues.append("%s=%r is not a readable file" % (option, path))
+    if (files["cert"] is None) != (files["key"] is None):
+        issues.append("cert and key must be given together (cert=%r, key=%r)" % (files["cert"], files["key"]))
+    return {name: (str(path) if path is not None else None) for name, path in files.items()}
+
+
+def _credentials(config: Mapping[str, Any], issues: list[str]) -> tuple[str | None, str | None]:
+    user, password = config.get("user"), config.get("password")
+    if (user is None) != (password is None):
+        issues.append("user and password must be given together (user=%r, password %s)"
+                      % (user, "set" if password is not None else "missing"))
+    if user is not None and not str(user):
+        issues.append("user='' must not be empty")
+    return (str(user) if user is not None else None), (str(password) if password is not None else None)
+
+
+def _key_prefix(config: Mapping[str, Any], issues: list[str]) -> str:
+    prefix = str(config.get("key_prefix", DEFAULT_KEY_PREFIX))
+    if not prefix.startswith("/") or any(ch.isspace() for ch in prefix):
+        issues.append("key_prefix=%r must start with '/' and contain no whitespace" % prefix)
+    return prefix if prefix.endswith("/") else prefix + "/"

@@ -1,0 +1,164 @@
+"""A ``torch.distributed.Store`` kept in etcd (v3 API), for torchrun's agents.
+
+The ``etcd-v3`` handler gives this store to the elastic agents; torch wraps it in a
+``PrefixStore("torch.rendezvous.<run_id>.<round>")`` per rendezvous round. Agents
+use it to publish ``MASTER_ADDR``/``MASTER_PORT``, to assign worker ranks
+(``set``, ``multi_get``, ``multi_set``, blocking ``get``) and for the exit barrier
+(``add``, ``wait``, ``set_timeout``). Workers do not use it: with torch's default
+they connect to the TCPStore that the rank-0 agent hosts (see ``etcd.py``).
+
+Semantics follow ``TCPStore``: ``get``/``multi_get``/``wait`` block until every
+key exists or the store timeout passes (then :class:`EtcdStoreTimeoutError`, a
+``DistStoreError``); ``add`` is an atomic counter stored as decimal text;
+``compare_set`` with ``expected=b""`` creates a missing key. Every key is attached
+to the participant's lease (:mod:`elastic_ddp.rendezvous.lease`).
+
+``add`` is a compare-and-swap loop. If etcd fails while a swap is in flight the
+error propagates and the swap is not retried, because it may have been applied.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastic_ddp.rendezvous.client import Absent, Condition, EtcdClient, KeyValue, ModRevisionIs, ValueIs
+from elastic_ddp.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
+from elastic_ddp.rendezvous.lease import LeaseKeeper
+
+_WATCH_SLICE_S = 10.0
+
+
+class EtcdStoreValueError(EtcdRendezvousError, ValueError):
+    """``add`` was called on a key whose value is not a decimal integer."""
+
+
+class EtcdStore(dist.Store):
+    """c10d ``Store`` over an :class:`EtcdClient`, every key under ``prefix``.
+
+    Python ``Store`` subclasses are called by torch's C++ ``PrefixStore`` through
+    pybind's trampoline, whose method names are ``deleteKey`` and ``getNumKeys``.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta) -> None:
+        super().__init__()
+        self._client = client
+        self._prefix = prefix.encode()
+        self._leases = leases
+        self.set_timeout(timeout)
+
+    @property
+    def prefix(self) -> str:
+        """The etcd key prefix of this store."""
+        return self._prefix.decode()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        """Write ``value`` under ``key``."""
+        self._leases.write(lambda lease: self._client.put(self._key(key), _as_bytes(value), lease))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Write all pairs in one etcd transaction."""
+        items = [(self._key(key), _as_bytes(value)) for key, value in zip(keys, values, strict=True)]
+        self._leases.write(lambda lease: self._client.put_many(items, lease))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting for it up to the store timeout."""
+        return self._wait_for([key], self._deadline())[0].value
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of all ``keys`` read at one revision, waiting for each up to the store timeout."""
+        return [kv.value for kv in self._wait_for(keys, self._deadline())]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Return once every key exists; raise :class:`EtcdStoreTimeoutError` after ``timeout``."""
+        self._wait_for(keys, self._deadline(timeout))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key exists now."""
+        values, _ = self._client.get_many([self._key(key) for key in keys])
+        return all(value is not None for value in values)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter at ``key`` (missing counts as 0); returns the new value."""
+        etcd_key = self._key(key)
+        deadline = self._deadline()
+        current = self._client.get(etcd_key)
+        while True:
+            new_value = _counter_value(key, current) + amount
+            outcome = self._put_if(etcd_key, str(new_value).encode(), _unchanged(current))
+            if outcome.succeeded:
+                return new_value
+            current = outcome.current
+            self._check_deadline(deadline, [key], "add to")
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value`` (``b""``: if it is missing).
+
+        Returns the value the key holds afterwards; like ``TCPStore``, returns
+        ``expected_value`` when the key is missing and ``expected_value`` is not empty.
+        """
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        condition: Condition = Absent() if expected == b"" else ValueIs(expected)
+        outcome = self._put_if(self._key(key), desired, condition)
+        if outcome.succeeded:
+            return desired
+        return outcome.current.value if outcome.current is not None else expected
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 - pybind trampoline name
+        """Delete ``key``; ``True`` if it existed."""
+        return self._client.delete(self._key(key))
+
+    def getNumKeys(self) -> int:  # noqa: N802 - pybind trampoline name
+        """How many keys this store holds (all rounds)."""
+        return self._client.count_prefix(self._prefix)
+
+    def _put_if(self, etcd_key: bytes, value: bytes, condition: Condition):
+        return self._leases.write(lambda lease: self._client.put_if(etcd_key, value, condition, lease))
+
+    def _wait_for(self, keys: Sequence[str], deadline: float) -> list[KeyValue]:
+        """Read all keys at one revision once all exist; watch the first missing one meanwhile."""
+        etcd_keys = [self._key(key) for key in keys]
+        while True:
+            values, revision = self._client.get_many(etcd_keys)
+            missing = [key for key, value in zip(keys, values) if value is None]
+            if not missing:
+                return [value for value in values if value is not None]
+            self._check_deadline(deadline, missing, "wait for")
+            slice_s = min(deadline - time.monotonic(), _WATCH_SLICE_S)
+            self._client.wait_for_put(self._key(missing[0]), revision, max(slice_s, 0.001))
+
+    def _check_deadline(self, deadline: float, keys: Sequence[str], action: str) -> None:
+        if time.monotonic() >= deadline:
+            raise EtcdStoreTimeoutError(
+                "etcd store timed out after %s trying to %s key(s) %s under %s on %s"
+                % (self.timeout, action, ", ".join(keys), self.prefix, ",".join(self._client.endpoints))
+            )
+
+    def _deadline(self, timeout: timedelta | None = None) -> float:
+        """``now + timeout`` (default: the store timeout); a zero timeout means no deadline, as in c10d."""
+        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        return time.monotonic() + seconds if seconds > 0 else math.inf
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _unchanged(current: KeyValue | None) -> Condition:
+    return Absent() if current is None else ModRevisionIs(current.mod_revision)
+
+
+def _counter_value(key: str, current: KeyValue | None) -> int:
+    if current is None:
+        return 0
+    try:
+        return int(current.value)
+    except ValueError as exc:
+        raise EtcdStoreValueError("store key %s holds %r, not a counter" % (key, current.value[:32])) from exc
