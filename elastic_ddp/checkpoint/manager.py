@@ -2,16 +2,23 @@
 
 Layout::
 
-    <root>/step-00000040/replicated.pt     rank 0: model, optimizer, scheduler, scaler
-    <root>/step-00000040/rank-00000.pt     every rank: its own RNG streams
-    <root>/step-00000040/manifest.json     written last, create-only: the commit
-    <root>/latest                          a hint, updated after the commit
+    <root>/step-00000040/replicated-<token>.pt   rank 0: model, optimizer, scheduler, scaler
+    <root>/step-00000040/rank-00000-<token>.pt   every rank: its own RNG streams
+    <root>/step-00000040/manifest.json           written last, create-only: the commit
+    <root>/latest                                a hint, updated after the commit
+
+``<token>`` is drawn by rank 0 once per launch and shared with every rank, so two
+incarnations of a job writing the same step never write the same file: the loser of the
+manifest race leaves only its own, unreferenced files behind, and a committed checkpoint's
+files are never overwritten.
 
 Collective protocol of a save: every rank writes its files and reports ``(name, size,
 sha256)`` or its error to rank 0; rank 0 writes the manifest only if every file is
 durable, then tells every rank the outcome, so a failed save raises on all ranks alike.
 Restore: rank 0 picks the newest checkpoint whose manifest parses and whose files match
-their checksums (falling back and saying why), every rank loads from that one.
+their checksums (falling back and saying why), every rank loads from that one. Newer
+checkpoints that failed verification are un-committed (their manifest is set aside as
+``manifest.rejected.json``) so the resumed run can commit those steps again.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +36,11 @@ import torch.distributed as dist
 
 from elastic_ddp.checkpoint.manifest import (
     MANIFEST_NAME,
-    REPLICATED_FILE,
+    REJECTED_MANIFEST_NAME,
     Manifest,
     parse_step_dir,
     rank_file_name,
+    replicated_file_name,
     step_dir_name,
 )
 from elastic_ddp.checkpoint.storage import FileRecord, Storage, open_storage
@@ -93,6 +102,12 @@ class CheckpointManager:
         self.run_id = run_id
         self.generation = generation
         self.keep = keep
+        self.token = self._shared_token()
+
+    def _shared_token(self) -> str:
+        token = [secrets.token_hex(6)]
+        self._broadcast_from_main(token)
+        return token[0]
 
     # -- save --------------------------------------------------------------------
 
@@ -115,9 +130,9 @@ class CheckpointManager:
         return manifest
 
     def _write_own_files(self, state: TrainState, directory: str) -> tuple[dict[str, FileRecord], str | None]:
-        files: dict[str, Any] = {rank_file_name(self.rank): state.rank_state_dict()}
+        files: dict[str, Any] = {rank_file_name(self.rank, self.token): state.rank_state_dict()}
         if self.rank == 0:
-            files[REPLICATED_FILE] = state.replicated_state_dict()
+            files[replicated_file_name(self.token)] = state.replicated_state_dict()
         records: dict[str, FileRecord] = {}
         try:
             for name, payload in files.items():
@@ -145,6 +160,7 @@ class CheckpointManager:
             data_digest=meta["data_digest"],
             fingerprint=meta["fingerprint"],
             files=files,
+            token=self.token,
         )
         self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
         self.storage.replace(self.storage.join(LATEST_HINT), step_dir_name(manifest.step).encode())
@@ -165,7 +181,7 @@ class CheckpointManager:
 
     def describe(self, step: int) -> CheckpointInfo:
         path = self.storage.join(step_dir_name(step))
-        manifest_path = self.storage.join(step_dir_name(step), MANIFEST_NAME)
+        manifest_path = self._manifest_path(step)
         if not self.storage.exists(manifest_path):
             return CheckpointInfo(step, path, None, "no manifest (not committed)")
         try:
@@ -222,31 +238,46 @@ class CheckpointManager:
         manifest = info.manifest
         if manifest is None:
             raise CheckpointCorruptError(f"{info.path}: {info.problem}")
-        replicated = _deserialize(preloaded.get(REPLICATED_FILE) or self.read_verified(info, REPLICATED_FILE), info.path)
+        name = manifest.replicated_file
+        replicated = deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
         reuse_rank_state = manifest.world_size == self.world_size
         rank_local = None
         if reuse_rank_state:
-            name = rank_file_name(self.rank)
-            rank_local = _deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
+            name = manifest.rank_file(self.rank)
+            rank_local = deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
         state.load_state_dict({"meta": manifest.meta(), "replicated": replicated, "rank_local": rank_local})
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
     def _choose_on_main(self) -> tuple[list[Any], dict[str, bytes]]:
-        problems: list[str] = []
+        rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.list():
-            if not info.committed and info.problem.startswith("no manifest"):
+            if not info.committed and not self.storage.exists(self._manifest_path(info.step)):
                 continue  # an unfinished write: never a candidate, not a defect
             try:
                 data = self.verify(info)
-                _deserialize(data[REPLICATED_FILE], info.path)
+                assert info.manifest is not None
+                deserialize(data[info.manifest.replicated_file], info.path)
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.path, exc)
-                problems.append(str(exc))
+                rejected.append((info, str(exc)))
                 continue
-            if problems:
-                logger.warning("falling back to checkpoint %s after %d invalid newer one(s)", info.path, len(problems))
-            return [info.step, None], {name: blob for name, blob in data.items() if name in (REPLICATED_FILE, rank_file_name(0))}
-        return [None, "; ".join(problems) or None], {}
+            if rejected:
+                logger.warning("falling back to checkpoint %s after %d invalid newer one(s)", info.path, len(rejected))
+                for bad, reason in rejected:
+                    self._uncommit(bad, reason)
+            keep = (info.manifest.replicated_file, info.manifest.rank_file(0))
+            return [info.step, None], {name: blob for name, blob in data.items() if name in keep}
+        return [None, "; ".join(reason for _, reason in rejected) or None], {}
+
+    def _manifest_path(self, step: int) -> str:
+        return self.storage.join(step_dir_name(step), MANIFEST_NAME)
+
+    def _uncommit(self, info: CheckpointInfo, reason: str) -> None:
+        """Set aside the manifest of a checkpoint that failed verification, keeping it for inspection."""
+        manifest_path = self._manifest_path(info.step)
+        self.storage.replace(self.storage.join(step_dir_name(info.step), REJECTED_MANIFEST_NAME), self.storage.read(manifest_path))
+        self.storage.remove(manifest_path)
+        logger.warning("un-committed %s (%s); its step will be saved again", info.path, reason)
 
     # -- retention ---------------------------------------------------------------
 
@@ -288,7 +319,7 @@ def _serialize(payload: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _deserialize(data: bytes, where: str) -> Any:
+def deserialize(data: bytes, where: str) -> Any:
     """Load tensors and plain containers only: a checkpoint store is not trusted code."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

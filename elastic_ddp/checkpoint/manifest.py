@@ -20,18 +20,25 @@ from elastic_ddp.errors import CheckpointCorruptError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-REPLICATED_FILE = "replicated.pt"
+REJECTED_MANIFEST_NAME = "manifest.rejected.json"
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8,})$")
 _FILE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_TOKEN = re.compile(r"^[0-9a-f]{8,32}$")
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+def replicated_file_name(token: str) -> str:
+    """Rank 0's file of model, optimizer, scheduler and scaler state."""
+    return f"replicated-{token}.pt"
+
+
+def rank_file_name(rank: int, token: str) -> str:
+    """One rank's own state (RNG streams)."""
+    return f"rank-{rank:05d}-{token}.pt"
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -53,6 +60,8 @@ class Manifest:
     data_digest: str
     fingerprint: dict[str, Any]
     files: dict[str, FileRecord]
+    token: str
+    """Random per-launch tag in every data file name: two writers of the same step never share a file."""
     format_version: int = FORMAT_VERSION
     torch_version: str = field(default_factory=lambda: torch.__version__)
     created_at: float = field(default_factory=time.time)
@@ -66,6 +75,13 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(record.size for record in self.files.values())
+
+    @property
+    def replicated_file(self) -> str:
+        return replicated_file_name(self.token)
+
+    def rank_file(self, rank: int) -> str:
+        return rank_file_name(rank, self.token)
 
     def meta(self) -> dict[str, Any]:
         """The TrainState ``meta`` part recorded in this manifest."""
@@ -104,14 +120,18 @@ class Manifest:
         if not isinstance(body["fingerprint"], dict):
             raise TypeError("fingerprint is not an object")
         files = {name: _file_record(name, record) for name, record in _dict(body, "files").items()}
-        if REPLICATED_FILE not in files:
-            raise ValueError(f"{REPLICATED_FILE} is not listed")
+        token = str(body["token"])
+        if not _TOKEN.match(token):
+            raise ValueError(f"token {token!r} is not a writer token")
+        if replicated_file_name(token) not in files:
+            raise ValueError(f"{replicated_file_name(token)} is not listed")
         return cls(
             **ints,
             run_id=str(body["run_id"]),
             data_digest=str(body["data_digest"]),
             fingerprint=body["fingerprint"],
             files=files,
+            token=token,
             torch_version=str(body["torch_version"]),
             created_at=float(body["created_at"]),
             hash=str(body.get("hash", "sha256")),

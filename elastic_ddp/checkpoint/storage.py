@@ -9,6 +9,7 @@ makes a manifest a commit: of two writers racing for the same step, one gets
 from __future__ import annotations
 
 import hashlib
+import shutil
 import os
 import posixpath
 import uuid
@@ -55,18 +56,10 @@ class Storage(Protocol):
     def mtime(self, path: str) -> float:
         """Modification time (seconds since the epoch) of a file or directory."""
 
+    def remove(self, path: str) -> None:
+        """Delete one file."""
+
     def remove_tree(self, path: str) -> None: ...
-
-
-def hash_chunks(chunks: Iterable[bytes]) -> tuple[list[bytes], FileRecord]:
-    """Checksum data held in memory (used by tests and by writers that hash before writing)."""
-    kept = list(chunks)
-    hasher = hashlib.sha256()
-    size = 0
-    for chunk in kept:
-        hasher.update(chunk)
-        size += len(chunk)
-    return kept, FileRecord(size=size, sha256=hasher.hexdigest())
 
 
 class LocalStorage:
@@ -136,10 +129,12 @@ class LocalStorage:
     def mtime(self, path: str) -> float:
         return os.stat(path).st_mtime
 
-    def remove_tree(self, path: str) -> None:
-        import shutil
+    def remove(self, path: str) -> None:
+        os.unlink(path)
+        _fsync_dir(os.path.dirname(path))
 
-        shutil.rmtree(path, ignore_errors=False)
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path)
 
     @staticmethod
     def _temp_name(path: str) -> str:

@@ -1,0 +1,129 @@
+"""Per-step cost of the elastic_ddp trainer against a plain hand-written DDP loop.
+
+How to run (it launches torchrun with 2 ranks on gloo itself):
+  .venv/bin/python benchmarks/step_overhead.py [--rounds 7] [--steps 30]
+
+Both loops train the same MLP on the same data with AdamW, LR schedule and clipping, with
+checkpointing off. Rounds alternate plain / trainer so drift of the machine hits both; each
+round's per-step time is its wall time over its steps (loader start-up included for both).
+Prints both medians, the ratio, and the trainer's data-wait share of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+MODEL_ARGS = [
+    "--model-input-dim", "256", "--model-hidden-dim", "1024", "--model-num-layers", "3", "--model-num-classes", "16",
+    "--data-num-samples", "65536", "--data-eval-samples", "0", "--global-batch-size", "512",
+    "--optim-schedule", "cosine", "--optim-decay-steps", "1000", "--log-progress", "off",
+]
+
+
+def plain_loop(config, context, model, data, steps: int, start_step: int) -> float:
+    """A hand-written DDP loop doing the same work as the trainer; returns seconds."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from elastic_ddp.data import epoch_permutation
+
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    per_rank = config.global_batch_size // context.world_size
+    order = epoch_permutation(config.seed, 0, len(data), True)
+    indices = [
+        order[(start_step + s) * config.global_batch_size + context.rank * per_rank :][:per_rank].tolist()
+        for s in range(steps)
+    ]
+    loader = DataLoader(data, batch_sampler=indices, num_workers=config.data.num_workers)
+    started = time.perf_counter()
+    for inputs, targets, _ in loader:
+        loss = F.cross_entropy(ddp(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return time.perf_counter() - started
+
+
+def trainer_loop(config, context, model, data, steps: int, log_dir: str) -> tuple[float, dict]:
+    import dataclasses
+
+    from elastic_ddp.trainer import Trainer
+
+    config = dataclasses.replace(config, max_steps=steps, log=dataclasses.replace(config.log, every=steps, dir=log_dir))
+    trainer = Trainer(config, context, model, data)
+    started = time.perf_counter()
+    trainer.run()
+    elapsed = time.perf_counter() - started
+    trainer.close()
+    summary = {}
+    if context.is_main:
+        with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+            summary = [json.loads(line) for line in handle if '"loss"' in line][-1]
+    return elapsed, summary
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from dataset import make_datasets
+    from elastic_ddp.config import config_from_args
+    from elastic_ddp.distributed import distributed
+    from model import build_model
+
+    config = config_from_args(MODEL_ARGS + ["--max-steps", str(args.steps)])
+    data, _ = make_datasets(config.data, config.model)
+    plain, ours, wait_share = [], [], []
+    with distributed(config.dist) as context, tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(args.rounds + 1):  # round 0 warms up both paths and is discarded
+            torch.manual_seed(0)
+            t_plain = plain_loop(config, context, build_model(config.model), data, args.steps, 0)
+            torch.manual_seed(0)
+            t_ours, summary = trainer_loop(config, context, build_model(config.model), data, args.steps, os.path.join(tmp, str(round_index)))
+            if round_index:
+                plain.append(t_plain / args.steps)
+                ours.append(t_ours / args.steps)
+                if summary:
+                    wait_share.append(summary["data_wait_s"] / summary["step_time_s"])
+        if context.is_main:
+            p, o = statistics.median(plain), statistics.median(ours)
+            print(f"rounds={args.rounds} steps/round={args.steps} ranks={context.world_size} backend={context.backend}")
+            print(f"plain DDP loop   median step {1e3 * p:8.2f} ms   (all: {', '.join(f'{1e3 * x:.1f}' for x in plain)})")
+            print(f"elastic_ddp      median step {1e3 * o:8.2f} ms   (all: {', '.join(f'{1e3 * x:.1f}' for x in ours)})")
+            print(f"ratio trainer/plain: {o / p:.3f}   (target <= 1.03)")
+            print(f"trainer data-wait share of step time: median {100 * statistics.median(wait_share):.2f}%   (target < 5%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+               __file__, "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    sys.exit(subprocess.call(command, env=env, cwd=REPO))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The ``elastic-ddp`` command.
+
+  elastic-ddp ckpt ls URI                  every step directory: step, time, size, world size, valid?
+  elastic-ddp ckpt inspect URI [--json]    the newest valid checkpoint (or URI/step-N): position and digests
+  elastic-ddp ckpt verify URI [--step N]   re-hash every file; non-zero exit naming the first bad file
+
+URI is a checkpoint root (``--checkpoint-dir`` of a run) or one ``step-N`` directory in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager
+from elastic_ddp.checkpoint.manager import deserialize
+from elastic_ddp.checkpoint.manifest import parse_step_dir
+from elastic_ddp.checkpoint.storage import basename
+from elastic_ddp.errors import CheckpointError, ElasticDDPError
+from elastic_ddp.state import model_digest
+
+
+def _split_uri(uri: str) -> tuple[str, int | None]:
+    """A ``.../step-N`` URI names one checkpoint of the root above it."""
+    step = parse_step_dir(basename(uri))
+    if step is None:
+        return uri, None
+    return uri.rstrip("/").rsplit("/", 1)[0] or "/", step
+
+
+def _manager(root: str) -> CheckpointManager:
+    return CheckpointManager(root, rank=0, world_size=1, run_id="cli")
+
+
+def _pick(manager: CheckpointManager, step: int | None) -> CheckpointInfo:
+    """The requested checkpoint, or the newest one that verifies."""
+    if step is not None:
+        return manager.describe(step)
+    for info in manager.list():
+        if info.committed:
+            try:
+                manager.verify(info)
+                return info
+            except CheckpointError:
+                continue
+    raise CheckpointError(f"no valid checkpoint under {manager.uri}")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root, _ = _split_uri(args.uri)
+    manager = _manager(root)
+    infos = manager.list()
+    if not infos:
+        print(f"no checkpoints under {root}")
+        return 0
+    print(f"{'step':>8}  {'created (UTC)':19}  {'size MB':>8}  {'world':>5}  valid")
+    for info in infos:
+        manifest = info.manifest
+        try:
+            manager.verify(info)
+            verdict = "yes"
+        except CheckpointError as exc:
+            verdict = f"NO: {exc}"
+        if manifest is None:
+            print(f"{info.step:>8}  {'-':19}  {'-':>8}  {'-':>5}  {verdict}")
+            continue
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest.created_at))
+        print(f"{info.step:>8}  {created:19}  {manifest.total_bytes / 1e6:>8.2f}  {manifest.world_size:>5}  {verdict}")
+    return 0
+
+
+def inspect_checkpoint(uri: str) -> dict[str, Any]:
+    """The facts ``ckpt inspect`` prints, as a dict (also used by tests and the chaos verifier)."""
+    root, step = _split_uri(uri)
+    manager = _manager(root)
+    info = _pick(manager, step)
+    data = manager.verify(info)
+    manifest = info.manifest
+    assert manifest is not None
+    replicated = deserialize(data[manifest.replicated_file], info.path)
+    return {
+        "path": info.path,
+        "step": manifest.step,
+        "epoch": manifest.epoch,
+        "cursor": manifest.cursor,
+        "samples_seen": manifest.samples_seen,
+        "world_size": manifest.world_size,
+        "run_id": manifest.run_id,
+        "generation": manifest.generation,
+        "created_at": manifest.created_at,
+        "torch_version": manifest.torch_version,
+        "total_bytes": manifest.total_bytes,
+        "files": sorted(manifest.files),
+        "fingerprint": manifest.fingerprint,
+        "model_digest": model_digest(replicated["model"]),
+        "data_digest": manifest.data_digest,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    facts = inspect_checkpoint(args.uri)
+    if args.json:
+        print(json.dumps(facts, indent=2, sort_keys=True))
+        return 0
+    for key in ("path", "step", "epoch", "cursor", "samples_seen", "world_size", "run_id", "generation",
+                "torch_version", "total_bytes", "model_digest", "data_digest"):
+        print(f"{key:>14}: {facts[key]}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root, step = _split_uri(args.uri)
+    step = args.step if args.step is not None else step
+    manager = _manager(root)
+    infos = [manager.describe(step)] if step is not None else [i for i in manager.list() if i.committed]
+    if not infos:
+        print(f"no committed checkpoints under {root}", file=sys.stderr)
+        return 1
+    failed = 0
+    for info in infos:
+        try:
+            manager.verify(info)
+            print(f"ok    {info.path}")
+        except CheckpointError as exc:
+            failed += 1
+            print(f"FAIL  {exc}")
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    ckpt = commands.add_parser("ckpt", help="list, inspect and verify checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ls = ckpt_commands.add_parser("ls", help="list step directories with time, size, world size and validity")
+    ls.add_argument("uri", help="checkpoint root (a path or URI)")
+    ls.set_defaults(func=cmd_ls)
+    inspect = ckpt_commands.add_parser("inspect", help="show a checkpoint's position and digests")
+    inspect.add_argument("uri", help="checkpoint root (newest valid is shown) or a step-N directory")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=cmd_inspect)
+    verify = ckpt_commands.add_parser("verify", help="re-hash files; exit 1 naming any file that does not match")
+    verify.add_argument("uri", help="checkpoint root or a step-N directory")
+    verify.add_argument("--step", type=int, help="verify only this step (default: every committed one)")
+    verify.set_defaults(func=cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ElasticDDPError as exc:
+        print(f"elastic-ddp: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the test suite. Extra arguments go to pytest,
+# e.g. `scripts/test.sh -m "not integration"` or `scripts/test.sh -m slow` for the long chaos runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh || exit 1
+.venv/bin/python -m pytest "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+    echo "scripts/test.sh: pytest collected no tests; that is a failure, not a pass" >&2
+    exit 1
+fi
+exit "$status"

@@ -1,0 +1,105 @@
+"""Bad input is refused with a message naming what is wrong, and nothing is overwritten."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import train, train_ok
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--max-steps", "-1"),
+        ("--global-batch-size", "0"),
+        ("--grad-accum-steps", "0"),
+        ("--optim-lr", "-0.1"),
+        ("--optim-lr", "fast"),
+        ("--checkpoint-keep", "1"),
+        ("--dist-init-timeout-s", "0"),
+        ("--data-num-workers", "-2"),
+        ("--model-dropout", "1.5"),
+    ],
+)
+def test_invalid_value_exits_nonzero_naming_the_flag(flag: str, value: str) -> None:
+    result = train([flag, value, "--max-steps", "1"] if flag != "--max-steps" else [flag, value])
+    assert result.returncode == 2
+    assert f"{flag}:" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_several_invalid_values_are_reported_together() -> None:
+    result = train(["--max-steps", "-1", "--optim-lr", "0", "--checkpoint-keep", "1"])
+    assert result.returncode == 2
+    for flag in ("--max-steps:", "--optim-lr:", "--checkpoint-keep:"):
+        assert flag in result.output
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = tmp_path_factory.mktemp("bad-input") / "ckpt"
+    train_ok(["--max-steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"])
+    return ckpt
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (["--model-hidden-dim", "64"], "--model-hidden-dim"),
+        (["--global-batch-size", "32"], "--global-batch-size"),
+        (["--seed", "7"], "--seed"),
+    ],
+)
+def test_resume_with_incompatible_config_is_refused_naming_the_field(saved: Path, change: list[str], named: str) -> None:
+    before = _tree_digest(saved)
+    result = train(["--max-steps", "8", "--checkpoint-dir", str(saved), *change])
+    assert result.returncode == 1
+    assert "cannot be resumed" in result.output and named in result.output
+    assert "Traceback" not in result.output
+    assert _tree_digest(saved) == before
+
+
+def test_resume_may_change_max_steps_and_cadence(saved: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved, copy)
+    result = train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy), "--checkpoint-every", "3", "--log-every", "2"])
+    assert "resumed from" in result.output and "step=6" in result.output
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_damaged_checkpoints_give_a_clear_error_and_are_not_overwritten(saved: Path, tmp_path: Path, damage: str) -> None:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved, copy)
+    for step_dir in copy.glob("step-*"):
+        target = next(step_dir.glob("replicated-*.pt"))
+        data = target.read_bytes()
+        target.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x80garbage" * 100)
+    before = _tree_digest(copy)
+    result = train(["--max-steps", "8", "--checkpoint-dir", str(copy)])
+    assert result.returncode == 1
+    assert "no valid checkpoint" in result.output and "replicated-" in result.output
+    assert "--checkpoint-allow-fresh-start" in result.output
+    assert "Traceback" not in result.output
+    assert _tree_digest(copy) == before
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved, copy)
+    newest = sorted(copy.glob("step-*"))[-1]
+    next(newest.glob("replicated-*.pt")).write_bytes(b"not a checkpoint")
+    result = train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy)])
+    assert "skipping checkpoint" in result.output and "falling back" in result.output
+    assert "resumed from" in result.output and "step 2," in result.output
+    assert "un-committed" in result.output  # so step 4 could be committed again
+    assert "step=6" in result.output

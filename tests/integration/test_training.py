@@ -1,0 +1,93 @@
+"""The example pipeline under torchrun on gloo: learning, bitwise resume, world-size changes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.jobs import (
+    WORLD_CHANGE_ATOL,
+    WORLD_CHANGE_RTOL,
+    inspect,
+    load_model_state,
+    metrics,
+    train_ok,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("training")
+
+
+@pytest.fixture(scope="module")
+def reference(workdir: Path) -> dict:
+    """Run A: 40 uninterrupted steps at world size 2, checkpoint every 10."""
+    ckpt, logs = workdir / "ref", workdir / "ref-logs"
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs)], nproc=2)
+    return {"ckpt": str(ckpt), "logs": str(logs), "facts": inspect(str(ckpt))}
+
+
+@pytest.fixture(scope="module")
+def split_run_first_half(workdir: Path) -> Path:
+    """Run B's first launch: 20 steps at world size 2 (kept pristine; tests copy it)."""
+    ckpt = workdir / "half"
+    train_ok(["--max-steps", "20", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"], nproc=2)
+    return ckpt
+
+
+def _resume_copy(first_half: Path, target: Path, extra: list[str], nproc: int) -> dict:
+    shutil.copytree(first_half, target)
+    result = train_ok(["--max-steps", "40", "--checkpoint-dir", str(target), "--checkpoint-every", "10", *extra], nproc=nproc)
+    assert "resumed from" in result.output and "step 20" in result.output
+    return inspect(str(target))
+
+
+def test_two_ranks_learn_loss_decreases(reference: dict) -> None:
+    losses = {m["step"]: m["loss"] for m in metrics(reference["logs"]) if "loss" in m}
+    assert set(range(1, 41)) <= set(losses)
+    assert losses[40] < losses[1]
+    assert reference["facts"]["step"] == 40 and reference["facts"]["world_size"] == 2
+
+
+def test_resume_at_same_world_size_is_bitwise_identical(reference: dict, split_run_first_half: Path, workdir: Path) -> None:
+    resumed = _resume_copy(split_run_first_half, workdir / "resume-plain", [], nproc=2)
+    assert resumed["model_digest"] == reference["facts"]["model_digest"]
+    assert resumed["data_digest"] == reference["facts"]["data_digest"]
+
+
+def test_resume_with_two_loader_workers_is_bitwise_identical(reference: dict, workdir: Path) -> None:
+    ckpt = workdir / "workers"
+    train_ok(["--max-steps", "20", "--checkpoint-dir", str(ckpt), "--data-num-workers", "2"], nproc=2)
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--data-num-workers", "2"], nproc=2)
+    facts = inspect(str(ckpt))
+    assert facts["model_digest"] == reference["facts"]["model_digest"]
+    assert facts["data_digest"] == reference["facts"]["data_digest"]
+
+
+def test_resume_with_gradient_accumulation_is_bitwise_identical(workdir: Path) -> None:
+    accum = ["--grad-accum-steps", "2"]
+    straight, split = workdir / "accum-straight", workdir / "accum-split"
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(straight), *accum], nproc=2)
+    train_ok(["--max-steps", "20", "--checkpoint-dir", str(split), *accum], nproc=2)
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(split), *accum], nproc=2)
+    a, b = inspect(str(straight)), inspect(str(split))
+    assert (a["model_digest"], a["data_digest"]) == (b["model_digest"], b["data_digest"])
+
+
+@pytest.mark.parametrize("new_world_size", [3, 1])
+def test_world_size_change_keeps_data_exact_and_weights_close(
+    new_world_size: int, reference: dict, split_run_first_half: Path, workdir: Path
+) -> None:
+    resumed = _resume_copy(split_run_first_half, workdir / f"to-{new_world_size}", [], nproc=new_world_size)
+    assert resumed["world_size"] == new_world_size
+    assert resumed["data_digest"] == reference["facts"]["data_digest"]
+    assert (resumed["epoch"], resumed["cursor"]) == (reference["facts"]["epoch"], reference["facts"]["cursor"])
+    ours, theirs = load_model_state(str(workdir / f"to-{new_world_size}")), load_model_state(reference["ckpt"])
+    for name, tensor in theirs.items():
+        assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
