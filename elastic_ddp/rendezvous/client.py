@@ -382,7 +382,7 @@ class GrpcEtcdClient:
 
     def _raise_unless_retryable(self, what: str, endpoint: str, exc: grpc.RpcError) -> None:
         code = exc.code()
-        if code in _RETRY_ON_NEXT_ENDPOINT:
+        if code in _RETRY_ON_NEXT_ENDPOINT or _is_deadline(exc):
             logger.debug("etcd %s on %s failed (%s), trying the next endpoint", what, endpoint, _describe(exc))
             return
         detail = "etcd %s on %s failed: %s" % (what, endpoint, _describe(exc))
@@ -462,7 +462,7 @@ def _watch_for_put(
                 return True
         return False
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if _is_deadline(exc):
             return False
         raise
     finally:
@@ -516,6 +516,11 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 def _describe(exc: grpc.RpcError) -> str:
     return "%s %s" % (exc.code().name, exc.details() or "")
+
+
+def _is_deadline(exc: grpc.RpcError) -> bool:
+    """The deadline passed; etcd reports its side of that as UNKNOWN "context deadline exceeded"."""
+    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or "deadline exceeded" in (exc.details() or "")
 
 
 def _is_invalid_token(exc: grpc.RpcError) -> bool:

@@ -1,0 +1,126 @@
+"""torch's DynamicRendezvousHandler on etcd-v3: entry point, ranks, outages, a real torchrun job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from elastic_ddp.rendezvous import handler_factory
+from tests.fixtures.etcd_proc import EtcdServer
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "fixtures" / "rdzv_worker.py"
+
+
+def params(endpoint: str, run_id: str, nodes: int, **conf: str) -> RendezvousParameters:
+    conf.setdefault("last_call_timeout", "1")
+    return RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, local_addr="127.0.0.1", **conf)
+
+
+def test_entry_point_is_registered_for_torchrun() -> None:
+    points = entry_points(group="torchrun.handlers")
+    assert "etcd-v3" in points.names, "elastic_ddp is not installed: run `pip install -e . --no-deps`"
+    assert points["etcd-v3"].load() is handler_factory
+
+
+def test_registry_returns_a_dynamic_handler_named_etcd_v3(etcd_server: EtcdServer) -> None:
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, "registry", 1))
+    assert isinstance(handler, DynamicRendezvousHandler)
+    assert handler.get_backend() == "etcd-v3"
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    handler.shutdown()
+
+
+def test_three_nodes_get_distinct_ranks_and_one_world_size(etcd_server: EtcdServer) -> None:
+    run_id = uuid.uuid4().hex[:8]
+    outcomes: dict[int, tuple[int, int, str, int]] = {}
+    errors: list[BaseException] = []
+    all_joined = threading.Barrier(3, timeout=60)
+
+    def node(index: int) -> None:
+        try:
+            handler = get_rendezvous_handler(params(etcd_server.endpoint, run_id, 3))
+            info = handler.next_rendezvous()
+            store_info = info.bootstrap_store_info
+            outcomes[index] = (info.rank, info.world_size, store_info.master_addr, store_info.master_port)
+            all_joined.wait()  # closing before the others saw the round would fail them
+            handler.shutdown()
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors
+    assert sorted(outcome[0] for outcome in outcomes.values()) == [0, 1, 2]
+    assert {outcome[1:] for outcome in outcomes.values()} == {next(iter(outcomes.values()))[1:]}
+    assert next(iter(outcomes.values()))[1] == 3
+
+
+def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server: EtcdServer) -> None:
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, "down", 1, read_timeout="2", join_timeout="60"))
+    etcd_server.stop()
+    start = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=etcd_server.endpoint):
+        handler.next_rendezvous()
+    assert time.monotonic() - start < 10
+
+
+def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
+        "--rdzv-backend=etcd-v3", "--rdzv-endpoint=%s" % endpoint, "--rdzv-id=%s" % run_id,
+        "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30",
+        "--local-addr=127.0.0.1", str(WORKER), str(out_dir),
+    ]  # fmt: skip
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    with open(log, "wb") as output:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    run_id = uuid.uuid4().hex[:8]
+    agents = [torchrun(etcd_server.endpoint, run_id, tmp_path, tmp_path / ("agent-%d.log" % i)) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 240
+        for agent in agents:
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for agent in agents:
+            stop_process_group(agent)
+    logs = "\n".join((tmp_path / ("agent-%d.log" % i)).read_text(errors="replace")[-3000:] for i in range(2))
+    assert [agent.returncode for agent in agents] == [0, 0], logs
+    reports = [json.loads((tmp_path / ("rank-%d.json" % rank)).read_text()) for rank in range(2)]
+    assert {report["world_size"] for report in reports} == {2}
+    assert {report["sum"] for report in reports} == {3.0}
+    assert sorted(report["group_rank"] for report in reports) == [0, 1]

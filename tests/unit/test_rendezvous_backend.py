@@ -1,0 +1,209 @@
+"""EtcdRendezvousBackend and LeaseKeeper logic against the in-memory fake etcd."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdLeaseNotFoundError
+from elastic_ddp.rendezvous.etcd import EtcdRendezvousBackend, _decode_state, _encode_state
+from elastic_ddp.rendezvous.lease import LeaseKeeper
+from elastic_ddp.rendezvous.store import EtcdStore
+from tests.fixtures.fake_etcd import FakeEtcdClient
+
+KEY = "/elastic_ddp/rdzv/job/state"
+TTL = 60
+
+
+@pytest.fixture
+def client() -> FakeEtcdClient:
+    return FakeEtcdClient()
+
+
+@pytest.fixture
+def leases(client: FakeEtcdClient) -> LeaseKeeper:
+    return LeaseKeeper(client, TTL, clock=client.clock)
+
+
+@pytest.fixture
+def backend(client: FakeEtcdClient, leases: LeaseKeeper) -> EtcdRendezvousBackend:
+    return EtcdRendezvousBackend(client, KEY, leases)
+
+
+def test_name_is_the_registered_entry_point_name(backend: EtcdRendezvousBackend) -> None:
+    assert backend.name == "etcd-v3"
+
+
+def test_get_state_is_none_when_nothing_was_written(backend: EtcdRendezvousBackend) -> None:
+    assert backend.get_state() is None
+
+
+def test_set_state_without_token_creates_and_returns_a_token(backend: EtcdRendezvousBackend) -> None:
+    state, token, written = backend.set_state(b"s1")
+    assert (state, written) == (b"s1", True)
+    assert backend.get_state() == (b"s1", token)
+
+
+def test_set_state_without_token_never_overwrites(backend: EtcdRendezvousBackend) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    assert backend.set_state(b"s2") == (b"s1", token, False)
+
+
+def test_token_changes_on_every_successful_set(backend: EtcdRendezvousBackend) -> None:
+    _, token, _ = backend.set_state(b"s0")
+    tokens = [token]
+    for i in range(1, 5):
+        _, token, written = backend.set_state(b"s%d" % i, token)
+        assert written
+        tokens.append(token)
+    assert len(set(tokens)) == 5 and tokens == sorted(tokens)
+
+
+def test_stale_token_returns_current_state_without_writing(backend: EtcdRendezvousBackend) -> None:
+    _, stale, _ = backend.set_state(b"s1")
+    _, current, _ = backend.set_state(b"s2", stale)
+    assert backend.set_state(b"s3", stale) == (b"s2", current, False)
+    assert backend.get_state() == (b"s2", current)
+
+
+@pytest.mark.parametrize("token", ["12", b"12", 0, -3, True, 1.5, object()])
+def test_token_not_issued_by_this_backend_returns_current_state(backend: EtcdRendezvousBackend, token: object) -> None:
+    _, current, _ = backend.set_state(b"s1")
+    assert backend.set_state(b"s2", token) == (b"s1", current, False)
+
+
+def test_stale_token_after_the_state_vanished_returns_none(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    client.delete(KEY.encode())
+    assert backend.set_state(b"s2", token) is None
+    assert backend.set_state(b"s2", "garbage") is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"not ours", _encode_state(b"payload")[:-1], _encode_state(b"payload").replace(b":", b";", 2)],
+    ids=["empty", "foreign", "truncated", "bad-header"],
+)
+def test_corrupt_state_raises_state_error_naming_the_key(backend: EtcdRendezvousBackend, client: FakeEtcdClient, raw: bytes) -> None:
+    client.raw_put(KEY.encode(), raw)
+    with pytest.raises(RendezvousStateError, match=KEY):
+        backend.get_state()
+    with pytest.raises(RendezvousStateError):
+        backend.set_state(b"s", None)
+
+
+def test_state_framing_round_trips_binary_payloads() -> None:
+    payload = bytes(range(256)) * 3
+    assert _decode_state(_encode_state(payload)) == payload
+    assert _decode_state(_encode_state(b"")) == b""
+
+
+def test_connection_errors_reach_torch_as_rendezvous_connection_errors(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+    client.fail_next(EtcdConnectionError("etcd get failed: no endpoint answered (tried fake:2379)"))
+    with pytest.raises(RendezvousConnectionError, match="fake:2379"):
+        backend.get_state()
+
+
+def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    lease = client.data[KEY.encode()].lease
+    assert lease in client.leases
+    client.calls.clear()
+    backend.set_state(b"s2", token)
+    assert client.calls == ["lease_refresh", "put_if"]
+    assert client.data[KEY.encode()].lease == lease
+
+
+def test_state_expires_with_its_lease_when_nobody_writes(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+    backend.set_state(b"s1")
+    client.clock.advance(TTL - 1)
+    assert backend.get_state() is not None
+    client.clock.advance(2)
+    assert backend.get_state() is None
+
+
+def test_expired_lease_is_replaced_on_the_next_write(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    first_lease = client.data[KEY.encode()].lease
+    client.clock.advance(TTL + 1)
+    _, token, written = backend.set_state(b"s2")
+    assert written and client.data[KEY.encode()].lease != first_lease
+
+
+def test_lease_revoked_between_refresh_and_write_is_regranted(client: FakeEtcdClient, leases: LeaseKeeper) -> None:
+    lease = leases.current()
+    seen: list[int] = []
+
+    def put(lease_id: int) -> str:
+        seen.append(lease_id)
+        if lease_id == lease:
+            raise EtcdLeaseNotFoundError("lease not found")
+        return "ok"
+
+    assert leases.write(put) == "ok"
+    assert seen[0] == lease and seen[1] != lease
+
+
+def test_store_refreshes_the_lease_only_every_tenth_of_the_ttl(client: FakeEtcdClient, leases: LeaseKeeper) -> None:
+    store = EtcdStore(client, "/p/store/", leases, timedelta(seconds=5))
+    store.set("a", b"1")
+    store.set("b", b"1")
+    assert client.calls.count("lease_refresh") == 0
+    client.clock.advance(TTL / 10)
+    store.set("c", b"1")
+    assert client.calls.count("lease_refresh") == 1
+
+
+def test_concurrent_creators_have_exactly_one_winner(client: FakeEtcdClient) -> None:
+    backends = [EtcdRendezvousBackend(client, KEY, LeaseKeeper(client, TTL, clock=client.clock)) for _ in range(8)]
+    results: list[bool] = []
+    barrier = threading.Barrier(len(backends))
+
+    def create(backend: EtcdRendezvousBackend, index: int) -> None:
+        barrier.wait()
+        results.append(backend.set_state(b"node-%d" % index)[2])
+
+    threads = [threading.Thread(target=create, args=(b, i)) for i, b in enumerate(backends)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [False] * 7 + [True]
+
+
+def test_dynamic_handler_over_the_fake_gives_distinct_ranks(client: FakeEtcdClient) -> None:
+    """Three nodes in threads rendezvous through torch's handler on the fake etcd."""
+    outcomes: dict[int, tuple[int, int]] = {}
+    errors: list[BaseException] = []
+    all_joined = threading.Barrier(3, timeout=60)
+
+    def node(index: int) -> None:
+        try:
+            leases = LeaseKeeper(client, TTL, clock=client.clock)
+            backend = EtcdRendezvousBackend(client, KEY, leases)
+            store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=30))
+            params = RendezvousParameters("etcd-v3", "fake:2379", "job", 3, 3, "127.0.0.1", last_call_timeout="1")
+            handler = create_handler(store, backend, params)
+            info = handler.next_rendezvous()
+            outcomes[index] = (info.rank, info.world_size)
+            all_joined.wait()  # closing before the others saw the round would fail them
+            handler.shutdown()
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert sorted(rank for rank, _ in outcomes.values()) == [0, 1, 2]
+    assert {size for _, size in outcomes.values()} == {3}
