@@ -156,9 +156,19 @@ class CheckpointConfig:
     """When checkpoints exist but none verifies, start from step 0 instead of stopping with an error."""
     save_final: bool = True
     """Commit a checkpoint when the run reaches --max-steps or --max-epochs."""
+    storage_options: str = ""
+    """JSON object of fsspec options for a remote --checkpoint-dir, e.g. {"endpoint_url": "http://127.0.0.1:9000"}.
+    Credentials are better left to the standard AWS environment; values here are never logged."""
 
     def problems(self) -> Problems:
         found: Problems = []
+        if self.storage_options:
+            try:
+                options = json.loads(self.storage_options)
+            except ValueError:
+                options = None
+            if not isinstance(options, dict):
+                found.append(("storage_options", "must be a JSON object"))
         if self.every < 0:
             found.append(("every", "must be >= 0"))
         if self.every_seconds < 0 or not math.isfinite(self.every_seconds):
@@ -310,6 +320,11 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The config values a checkpoint must agree with to be resumed by this run."""
     return {name: _get_dotted(config, name) for name in FINGERPRINT_FIELDS}
+
+
+def storage_options(config: CheckpointConfig) -> dict[str, Any]:
+    """The parsed --checkpoint-storage-options (validated as a JSON object up front)."""
+    return json.loads(config.storage_options) if config.storage_options else {}
 
 
 def fingerprint_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.config import TrainConfig, fingerprint
+from elastic_ddp.config import TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan, update_data_digest
 from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import DataError
@@ -149,6 +149,7 @@ class Trainer:
             run_id=self.context.env.run_id,
             generation=self.context.env.restart_count,
             keep=self.config.checkpoint.keep,
+            storage_options=storage_options(self.config.checkpoint),
         )
 
     def _restore_or_start_fresh(self) -> None:

@@ -1,3 +1,3 @@
 """Shared pytest configuration: fixtures for real etcd and S3 servers live in tests/fixtures/."""
 
-pytest_plugins = ["tests.fixtures.etcd"]
+pytest_plugins = ["tests.fixtures.etcd", "tests.fixtures.s3"]

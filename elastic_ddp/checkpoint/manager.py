@@ -92,11 +92,12 @@ class CheckpointManager:
         generation: int = 0,
         keep: int = 3,
         storage: Storage | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if keep < 2:
             raise CheckpointError(f"keep={keep}: at least 2 checkpoints must be kept so a corrupt one has a fallback")
         self.uri = uri
-        self.storage = storage or open_storage(uri)
+        self.storage = storage or open_storage(uri, storage_options)
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id

@@ -13,9 +13,9 @@ import shutil
 import os
 import posixpath
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 
@@ -160,8 +160,11 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
-def open_storage(uri: str) -> Storage:
-    """The storage for a checkpoint root URI: a local path or ``file://`` URI."""
+def open_storage(uri: str, options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage for a checkpoint root URI: a local path or ``file://`` URI.
+
+    ``options`` are fsspec storage options for remote URIs (never logged).
+    """
     if not uri:
         raise CheckpointError("no checkpoint directory configured (--checkpoint-dir)")
     if is_local(uri):
