@@ -115,6 +115,9 @@ class OptimConfig:
     """Floor of the decay as a fraction of the peak learning rate."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    zero: bool = False
+    """Shard the AdamW state across ranks (ZeroRedundancyOptimizer); each rank checkpoints its shard,
+    and such a checkpoint resumes only at the same world size."""
 
     def problems(self) -> Problems:
         found: Problems = []
@@ -156,6 +159,9 @@ class CheckpointConfig:
     """When checkpoints exist but none verifies, start from step 0 instead of stopping with an error."""
     save_final: bool = True
     """Commit a checkpoint when the run reaches --max-steps or --max-epochs."""
+    async_save: bool = True
+    """Save in the background: the step only copies state into reused CPU buffers; writing, hashing and
+    the commit run while training continues (at most one save in flight; errors surface at the next step)."""
     storage_options: str = ""
     """JSON object of fsspec options for a remote --checkpoint-dir, e.g. {"endpoint_url": "http://127.0.0.1:9000"}.
     Credentials are better left to the standard AWS environment; values here are never logged."""

@@ -117,9 +117,14 @@ def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedInitError(
             f"rank {env.rank}: cannot reach the store at {env.master_addr}:{env.master_port} "
-            f"within --dist-init-timeout-s={timeout.total_seconds():g}: {exc}"
+            f"within --dist-init-timeout-s={timeout.total_seconds():g}: {_first_line(exc)}"
         ) from exc
     return store
+
+
+def _first_line(exc: BaseException) -> str:
+    """torch's store errors carry a C++ stack trace after the first line; the first line is the message."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistContext:
@@ -142,7 +147,7 @@ def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistCo
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedInitError(
             f"rank {env.rank}/{env.world_size}: could not form the {backend} process group through "
-            f"{env.master_addr}:{env.master_port} within --dist-init-timeout-s={config.init_timeout_s:g}: {exc}"
+            f"{env.master_addr}:{env.master_port} within --dist-init-timeout-s={config.init_timeout_s:g}: {_first_line(exc)}"
         ) from exc
     logger.info(
         "process group formed: rank %d/%d backend=%s device=%s store=%s:%d",

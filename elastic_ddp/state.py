@@ -4,7 +4,9 @@ The state has three parts, matching who writes them:
 
 * ``replicated``: model, optimizer, LR scheduler and grad scaler. Identical on every rank
   under DDP, so rank 0 writes it once.
-* ``rank_local``: this rank's RNG streams. Every rank writes its own.
+* ``rank_local``: this rank's RNG streams, and sharded state — state whose content differs per
+  rank, such as a ``ZeroRedundancyOptimizer``'s shard of the optimizer state. Every rank writes
+  its own.
 * ``meta``: step, data position, data digest and the config fingerprint. Small and
   identical everywhere; it goes into the checkpoint's manifest.
 
@@ -12,13 +14,16 @@ RNG rule on a world-size change: a rank's saved RNG streams belong to that rank 
 world size. When the world size differs on resume they are not reused; every rank derives
 fresh streams from ``(seed, step, rank)``, so the run stays deterministic for the new
 world size. The data order never depends on these streams (it is a function of
-``(seed, epoch)``), so the data contract holds either way.
+``(seed, epoch)``), so the data contract holds either way. Sharded optimizer state is tied to
+its partition: it is restored per rank at the same world size, and a resume onto another world
+size is refused with an error saying so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +82,15 @@ class TrainState:
 
     # -- saving ------------------------------------------------------------------
 
+    @property
+    def sharded_optimizer(self) -> bool:
+        """True when each rank holds only its shard of the optimizer state."""
+        return is_zero_optimizer(self.optimizer)
+
     def replicated_state_dict(self) -> dict[str, Any]:
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
+        state = {"model": self.model.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if not self.sharded_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -91,7 +99,10 @@ class TrainState:
         rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["torch_cuda"] = torch.cuda.get_rng_state()
-        return {"rng": rng}
+        state: dict[str, Any] = {"rng": rng}
+        if self.sharded_optimizer:
+            state["optimizer_shard"] = self.optimizer.optim.state_dict()  # type: ignore[attr-defined]
+        return state
 
     def meta(self) -> dict[str, Any]:
         position = self.sampler.position
@@ -121,10 +132,15 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a full state; ``rank_local`` may be ``None`` (world size changed: RNG re-derived)."""
-        meta, replicated = state["meta"], state["replicated"]
+        meta, replicated, rank_local = state["meta"], state["replicated"], state.get("rank_local")
         self.check_compatible(meta, replicated)
+        if self.sharded_optimizer and rank_local is None:
+            raise IncompatibleCheckpointError(
+                f"checkpoint at step {meta.get('step')} holds optimizer state sharded over another world size; "
+                "sharded (ZeroRedundancyOptimizer) state resumes only at the world size that saved it"
+            )
         self.model.load_state_dict(replicated["model"])
-        self.optimizer.load_state_dict(replicated["optimizer"])
+        self._load_optimizer(replicated, rank_local)
         self.scheduler.load_state_dict(replicated["scheduler"])
         if self.scaler is not None and "scaler" in replicated:
             self.scaler.load_state_dict(replicated["scaler"])
@@ -132,15 +148,31 @@ class TrainState:
         self.counters = Counters(
             step=int(meta["step"]), samples_seen=int(meta["samples_seen"]), data_digest=str(meta["data_digest"])
         )
-        rank_local = state.get("rank_local")
         if rank_local is not None:
             _set_rng(rank_local["rng"])
         else:
             seed_rng_streams(derive_rng_seed(self.seed, self.counters.step, self.sampler.rank))
 
+    def _load_optimizer(self, replicated: dict[str, Any], rank_local: dict[str, Any] | None) -> None:
+        if not self.sharded_optimizer:
+            self.optimizer.load_state_dict(replicated["optimizer"])
+            return
+        assert rank_local is not None
+        local = self.optimizer.optim  # type: ignore[attr-defined]
+        local.load_state_dict(rank_local["optimizer_shard"])
+        for outer, inner in zip(self.optimizer.param_groups, local.param_groups):
+            outer.update({key: value for key, value in inner.items() if key != "params"})
+
     @property
     def position(self) -> DataPosition:
         return self.sampler.position
+
+
+def is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a ZeroRedundancyOptimizer, without importing torch.distributed.optim
+    (a 2 s import): if its module was never imported, no such optimizer can exist."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 def _set_rng(rng: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.config import TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan, update_data_digest
 from elastic_ddp.distributed import DistContext
@@ -93,13 +95,7 @@ class Trainer:
         self.log_context = log_context
         self.log0 = main_only(logger, context.rank)
         self.model = model.to(self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=config.optim.lr,
-            betas=(config.optim.beta1, config.optim.beta2),
-            eps=config.optim.eps,
-            weight_decay=config.optim.weight_decay,
-        )
+        self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         use_scaler = config.use_amp and config.amp_dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
@@ -123,6 +119,9 @@ class Trainer:
             seed=config.seed,
         )
         self.checkpoints = self._make_checkpoint_manager()
+        self.async_checkpoints = (
+            AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
+        )
         self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
         self._restore_or_start_fresh()
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -131,6 +130,15 @@ class Trainer:
         self._last_commit_time = time.monotonic()
 
     # -- setup -------------------------------------------------------------------
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+        if not optim.zero:
+            return torch.optim.AdamW(self.model.parameters(), **kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
+
+        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
 
     def _lr_lambda(self, step: int) -> float:
         optim = self.config.optim
@@ -142,6 +150,12 @@ class Trainer:
     def _make_checkpoint_manager(self) -> CheckpointManager | None:
         if not self.config.checkpoint.dir:
             return None
+        group = None
+        if self.context.world_size > 1:
+            # Checkpoint coordination gets its own gloo group: object collectives work whatever the
+            # training backend is, and a background save never interleaves with the step's collectives.
+            timeout = timedelta(seconds=self.config.dist.collective_timeout_s)
+            group = dist.new_group(backend="gloo", timeout=timeout)
         return CheckpointManager(
             self.config.checkpoint.dir,
             rank=self.context.rank,
@@ -150,6 +164,7 @@ class Trainer:
             generation=self.context.env.restart_count,
             keep=self.config.checkpoint.keep,
             storage_options=storage_options(self.config.checkpoint),
+            group=group,
         )
 
     def _restore_or_start_fresh(self) -> None:
@@ -211,13 +226,17 @@ class Trainer:
                 progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
                 if self.config.eval_every and counters.step % self.config.eval_every == 0:
                     self.evaluate()
+                if self.async_checkpoints is not None:
+                    self.async_checkpoints.poll()
                 if self._checkpoint_due():
                     self.save_checkpoint()
         finally:
             progress.close()
             del batches
+        if self.async_checkpoints is not None:
+            self.async_checkpoints.wait()
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
-            self.save_checkpoint()
+            self.save_checkpoint(blocking=True)
         accuracy = self.evaluate()
         result = TrainResult(
             step=counters.step,
@@ -357,15 +376,25 @@ class Trainer:
             dist.all_reduce(due, op=dist.ReduceOp.MAX)
         return bool(due.item())
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        """Commit a checkpoint of the current step: staged and committed in the background unless ``blocking``."""
         assert self.checkpoints is not None
-        started = time.perf_counter()
-        self.checkpoints.save(self.state)
-        self._last_commit_step = self.state.counters.step
+        step = self.state.counters.step
+        if self.async_checkpoints is not None and not blocking:
+            blocked = self.async_checkpoints.save(self.state)
+            self.log0.info("checkpoint of step %d staged in %.3f s, committing in the background", step, blocked)
+        else:
+            started = time.perf_counter()
+            if self.async_checkpoints is not None:
+                self.async_checkpoints.wait()
+            self.checkpoints.save(self.state)
+            self.log0.info("checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
+        self._last_commit_step = step
         self._last_commit_time = time.monotonic()
-        self.log0.info("checkpoint of step %d took %.2f s", self.state.counters.step, time.perf_counter() - started)
 
     def close(self) -> None:
+        if self.async_checkpoints is not None:
+            self.async_checkpoints.close()
         self.metrics.close()
 
 

@@ -2,8 +2,8 @@
 
 Layout::
 
-    <root>/step-00000040/replicated-<token>.pt   rank 0: model, optimizer, scheduler, scaler
-    <root>/step-00000040/rank-00000-<token>.pt   every rank: its own RNG streams
+    <root>/step-00000040/replicated-<token>.eddp   rank 0: model, optimizer, scheduler, scaler
+    <root>/step-00000040/rank-00000-<token>.eddp   every rank: its own RNG streams
     <root>/step-00000040/manifest.json           written last, create-only: the commit
     <root>/latest                                a hint, updated after the commit
 
@@ -24,7 +24,6 @@ checkpoints that failed verification are un-committed (their manifest is set asi
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import secrets
 import time
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.checkpoint.format import Flat, decode, encode_chunks, flatten
 from elastic_ddp.checkpoint.manifest import (
     MANIFEST_NAME,
     REJECTED_MANIFEST_NAME,
@@ -79,8 +79,48 @@ class Restored:
     rank_state_reused: bool
 
 
+@dataclass
+class Staged:
+    """A checkpoint's content captured at one step: file payloads (flattened) plus the meta."""
+
+    step: int
+    meta: dict[str, Any]
+    files: dict[str, Flat]
+
+
+class Stager:
+    """Copies state into CPU buffers that are reused from one save to the next.
+
+    The blocking part of an asynchronous save is only this copy; serialising, hashing and
+    writing happen afterwards from the staged buffers while training goes on. Buffers are
+    reallocated only when a tensor's shape or dtype changes, so memory stays bounded at one
+    copy of the state (at most one save is in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, list[torch.Tensor]] = {}
+
+    def stage(self, name: str, flat: Flat) -> Flat:
+        buffers = self._buffers.get(name, [])
+        if len(buffers) != len(flat.tensors) or any(
+            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(buffers, flat.tensors)
+        ):
+            buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in flat.tensors]
+            self._buffers[name] = buffers
+        for buffer, tensor in zip(buffers, flat.tensors):
+            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        if any(t.is_cuda for t in flat.tensors):
+            torch.cuda.synchronize()
+        return Flat(flat.tree, buffers)
+
+
 class CheckpointManager:
-    """Save and restore :class:`TrainState` under ``uri`` as one member of a process group."""
+    """Save and restore :class:`TrainState` under ``uri`` as one member of a process group.
+
+    ``group`` is the process group used to coordinate saves and restores (a gloo group, so
+    object collectives work whatever the training backend, and so a background save never
+    interleaves with the training step's collectives); None means the default group.
+    """
 
     def __init__(
         self,
@@ -93,6 +133,7 @@ class CheckpointManager:
         keep: int = 3,
         storage: Storage | None = None,
         storage_options: dict[str, Any] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if keep < 2:
             raise CheckpointError(f"keep={keep}: at least 2 checkpoints must be kept so a corrupt one has a fallback")
@@ -103,6 +144,8 @@ class CheckpointManager:
         self.run_id = run_id
         self.generation = generation
         self.keep = keep
+        self.group = group
+        self.stager = Stager()
         self.token = self._shared_token()
 
     def _shared_token(self) -> str:
@@ -113,43 +156,52 @@ class CheckpointManager:
     # -- save --------------------------------------------------------------------
 
     def save(self, state: TrainState) -> Manifest:
+        """Save synchronously: write straight from the live state (CPU tensors are not copied)."""
+        return self.write_and_commit(self.capture(state, copy=False))
+
+    def capture(self, state: TrainState, copy: bool) -> Staged:
+        """This rank's files of the checkpoint of the current step; ``copy`` stages tensors into reused buffers."""
+        files = {rank_file_name(self.rank, self.token): flatten(state.rank_state_dict())}
+        if self.rank == 0:
+            files[replicated_file_name(self.token)] = flatten(state.replicated_state_dict())
+        if copy or any(t.device.type != "cpu" or not t.is_contiguous() for f in files.values() for t in f.tensors):
+            files = {name: self.stager.stage(name, flat) for name, flat in files.items()}
+        return Staged(step=state.counters.step, meta=state.meta(), files=files)
+
+    def write_and_commit(self, staged: Staged) -> Manifest:
         """Write this rank's files, then (rank 0) commit the manifest; raises on every rank if any part failed."""
-        step = state.counters.step
-        directory = self.storage.join(step_dir_name(step))
-        records, error = self._write_own_files(state, directory)
+        directory = self.storage.join(step_dir_name(staged.step))
+        records, error = self._write_own_files(staged, directory)
         reports = self._gather_to_main((records, error))
         outcome: list[Any] = [None, None]
         if self.rank == 0:
             try:
-                outcome[0] = self._commit(state, directory, reports)
-            except CheckpointError as exc:
-                outcome[1] = str(exc)
+                outcome[0] = self._commit(staged, directory, reports)
+            except Exception as exc:  # noqa: BLE001 - every rank waits for this outcome; a bug must reach them too
+                outcome[1] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
         self._broadcast_from_main(outcome)
         manifest, failure = outcome
         if failure is not None:
-            raise CheckpointError(f"checkpoint of step {step} was not committed: {failure}")
+            raise CheckpointError(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}")
         return manifest
 
-    def _write_own_files(self, state: TrainState, directory: str) -> tuple[dict[str, FileRecord], str | None]:
-        files: dict[str, Any] = {rank_file_name(self.rank, self.token): state.rank_state_dict()}
-        if self.rank == 0:
-            files[replicated_file_name(self.token)] = state.replicated_state_dict()
+    def _write_own_files(self, staged: Staged, directory: str) -> tuple[dict[str, FileRecord], str | None]:
         records: dict[str, FileRecord] = {}
-        try:
-            for name, payload in files.items():
-                records[name] = self.storage.write(self.storage.join(directory, name), [_serialize(payload)])
-        except (OSError, CheckpointError) as exc:
-            return records, f"rank {self.rank} could not write {name}: {exc}"
+        for name, flat in staged.files.items():
+            try:
+                records[name] = self.storage.write(self.storage.join(directory, name), encode_chunks(flat))
+            except Exception as exc:  # noqa: BLE001 - reported to the committer, which fails the save on every rank
+                return records, f"rank {self.rank} could not write {name}: {exc}"
         return records, None
 
-    def _commit(self, state: TrainState, directory: str, reports: list[Any]) -> Manifest:
+    def _commit(self, staged: Staged, directory: str, reports: list[Any]) -> Manifest:
         failures = [error for _, error in reports if error]
         if failures:
             raise CheckpointError("; ".join(failures))
         files: dict[str, FileRecord] = {}
         for records, _ in reports:
             files.update(records)
-        meta = state.meta()
+        meta = staged.meta
         manifest = Manifest(
             step=meta["step"],
             epoch=meta["epoch"],
@@ -306,23 +358,14 @@ class CheckpointManager:
         if self.world_size == 1 or not dist.is_initialized():
             return [item]
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        dist.gather_object(item, gathered if self.rank == 0 else None, dst=0)
+        dist.gather_object(item, gathered if self.rank == 0 else None, dst=0, group=self.group)
         return gathered
 
     def _broadcast_from_main(self, items: list[Any]) -> None:
         if self.world_size > 1 and dist.is_initialized():
-            dist.broadcast_object_list(items, src=0)
-
-
-def _serialize(payload: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return buffer.getvalue()
+            dist.broadcast_object_list(items, src=0, group=self.group)
 
 
 def deserialize(data: bytes, where: str) -> Any:
-    """Load tensors and plain containers only: a checkpoint store is not trusted code."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad bytes
-        raise CheckpointCorruptError(f"{where}: cannot be loaded safely ({type(exc).__name__}: {exc})") from exc
+    """Load a checkpoint file: tensors and plain containers only, no pickle (see format.py)."""
+    return decode(data, where)

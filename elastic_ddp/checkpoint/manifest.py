@@ -33,12 +33,12 @@ def step_dir_name(step: int) -> str:
 
 def replicated_file_name(token: str) -> str:
     """Rank 0's file of model, optimizer, scheduler and scaler state."""
-    return f"replicated-{token}.pt"
+    return f"replicated-{token}.eddp"
 
 
 def rank_file_name(rank: int, token: str) -> str:
     """One rank's own state (RNG streams)."""
-    return f"rank-{rank:05d}-{token}.pt"
+    return f"rank-{rank:05d}-{token}.eddp"
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -4,22 +4,34 @@ Paths stay strings (a ``pathlib.Path`` would mangle ``s3://``). Every write is a
 reader sees a whole file or no file. :meth:`Storage.create` is create-only, which is what
 makes a manifest a commit: of two writers racing for the same step, one gets
 :class:`CheckpointConflictError`.
+
+Two implementations: :class:`LocalStorage` for paths and ``file://`` URIs, and
+:class:`elastic_ddp.checkpoint.remote.FsspecStorage` for every other URI (``s3://`` first);
+:func:`open_storage` picks one and imports fsspec only for a remote URI. Both raise only
+:class:`~elastic_ddp.errors.CheckpointError` and its subclasses: a missing file is a
+``CheckpointError``, a lost create-only race a ``CheckpointConflictError``, an I/O failure
+(disk, network, endpoint, permissions) a :class:`CheckpointStorageError`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import os
 import posixpath
+import shutil
 import uuid
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 
 HASH_NAME = "sha256"
+
+
+class CheckpointStorageError(CheckpointError):
+    """The checkpoint store failed an operation (I/O error, endpoint unreachable, access denied)."""
 
 
 @dataclass(frozen=True)
@@ -30,23 +42,45 @@ class FileRecord:
     sha256: str
 
 
+@dataclass
+class Checksum:
+    """Size and SHA-256 of bytes as they stream past, for :meth:`Storage.write`."""
+
+    size: int = 0
+    hasher: Any = field(default_factory=hashlib.sha256)
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        self.hasher.update(chunk)
+        self.size += memoryview(chunk).nbytes
+
+    def record(self) -> FileRecord:
+        return FileRecord(size=self.size, sha256=self.hasher.hexdigest())
+
+
 class Storage(Protocol):
-    """Where checkpoints live. Implementations: :class:`LocalStorage` (and fsspec URIs)."""
+    """Where checkpoints live: :class:`LocalStorage`, or ``remote.FsspecStorage`` for fsspec URIs."""
 
     root: str
 
     def join(self, *parts: str) -> str: ...
 
-    def write(self, path: str, chunks: Iterable[bytes]) -> FileRecord:
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         """Write a file atomically (whole or not at all) and return its size and checksum."""
 
     def create(self, path: str, data: bytes) -> None:
-        """Write a small file only if it does not exist yet; raise CheckpointConflictError if it does."""
+        """Write a small file only if it does not exist yet.
+
+        Raise CheckpointConflictError if it exists with other content. Finding exactly
+        ``data`` there is success: it is this writer's own earlier attempt (a retried
+        request whose first response was lost), never another writer's manifest, which
+        differs at least in its token.
+        """
 
     def replace(self, path: str, data: bytes) -> None:
         """Write a small file atomically, replacing any previous content."""
 
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str) -> bytes:
+        """The whole file; CheckpointError when it does not exist."""
 
     def list_dir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; empty when it does not exist."""
@@ -54,7 +88,7 @@ class Storage(Protocol):
     def exists(self, path: str) -> bool: ...
 
     def mtime(self, path: str) -> float:
-        """Modification time (seconds since the epoch) of a file or directory."""
+        """Modification time (seconds since the epoch) of a file, or of the newest file in a directory."""
 
     def remove(self, path: str) -> None:
         """Delete one file."""
@@ -71,74 +105,102 @@ class LocalStorage:
     def join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
 
-    def write(self, path: str, chunks: Iterable[bytes]) -> FileRecord:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temp = self._temp_name(path)
-        hasher = hashlib.sha256()
-        size = 0
-        try:
-            with open(temp, "wb") as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-                    hasher.update(chunk)
-                    size += len(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            _unlink_quietly(temp)
-            raise
-        _fsync_dir(os.path.dirname(path))
-        return FileRecord(size=size, sha256=hasher.hexdigest())
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        with _local_errors("write", path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = _temp_name(path)
+            try:
+                checksum = _write_synced(temp, chunks)
+                os.replace(temp, path)
+            except BaseException:
+                _unlink_quietly(temp)
+                raise
+            _fsync_dir(os.path.dirname(path))
+        return checksum.record()
 
     def create(self, path: str, data: bytes) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        temp = self._temp_name(path)
-        try:
-            with open(temp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+        with _local_errors("create", path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = _temp_name(path)
             try:
-                os.link(temp, path)  # atomic and create-only: fails if `path` exists
-            except FileExistsError as exc:
-                raise CheckpointConflictError(f"{path} already exists: another writer committed first") from exc
-        finally:
-            _unlink_quietly(temp)
-        _fsync_dir(os.path.dirname(path))
+                _write_synced(temp, [data])
+                _link_exclusive(temp, path, data)
+            finally:
+                _unlink_quietly(temp)
+            _fsync_dir(os.path.dirname(path))
 
     def replace(self, path: str, data: bytes) -> None:
         self.write(path, [data])
 
     def read(self, path: str) -> bytes:
-        try:
+        with _local_errors("read", path):
             with open(path, "rb") as handle:
                 return handle.read()
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"{path} does not exist") from exc
 
     def list_dir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as exc:
+            raise CheckpointStorageError(f"cannot list {path}: {exc}") from exc
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
     def mtime(self, path: str) -> float:
-        return os.stat(path).st_mtime
+        with _local_errors("stat", path):
+            return os.stat(path).st_mtime
 
     def remove(self, path: str) -> None:
-        os.unlink(path)
-        _fsync_dir(os.path.dirname(path))
+        with _local_errors("remove", path):
+            os.unlink(path)
+            _fsync_dir(os.path.dirname(path))
 
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path)
+        with _local_errors("remove", path):
+            shutil.rmtree(path)
 
-    @staticmethod
-    def _temp_name(path: str) -> str:
-        return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+
+@contextmanager
+def _local_errors(action: str, path: str) -> Iterator[None]:
+    """Raise OSErrors as the storage errors of the protocol, naming the path."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} does not exist") from exc
+    except OSError as exc:
+        raise CheckpointStorageError(f"cannot {action} {path}: {exc}") from exc
+
+
+def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> Checksum:
+    checksum = Checksum()
+    with open(path, "wb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+            checksum.update(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return checksum
+
+
+def _link_exclusive(temp: str, path: str, data: bytes) -> None:
+    """Give ``temp`` the name ``path`` only if ``path`` does not exist (atomic, create-only)."""
+    try:
+        os.link(temp, path)
+    except FileExistsError as exc:
+        if _holds(path, data):
+            return
+        raise CheckpointConflictError(f"{path} already exists: another writer committed first") from exc
+
+
+def _holds(path: str, data: bytes) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read() == data
+
+
+def _temp_name(path: str) -> str:
+    return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
 
 
 def _fsync_dir(path: str) -> None:
@@ -161,15 +223,20 @@ def is_local(uri: str) -> bool:
 
 
 def open_storage(uri: str, options: Mapping[str, Any] | None = None) -> Storage:
-    """The storage for a checkpoint root URI: a local path or ``file://`` URI.
+    """The storage for a checkpoint root URI: a local path, ``file://`` or any fsspec URI (``s3://...``).
 
-    ``options`` are fsspec storage options for remote URIs (never logged).
+    ``options`` are fsspec storage options for remote URIs (never logged); see
+    :mod:`elastic_ddp.checkpoint.remote` for what they may hold and for the defaults.
     """
     if not uri:
         raise CheckpointError("no checkpoint directory configured (--checkpoint-dir)")
     if is_local(uri):
+        if options:
+            raise CheckpointError(f"--checkpoint-storage-options apply to remote URIs only, not to {uri!r}")
         return LocalStorage(uri)
-    raise CheckpointError(f"unsupported checkpoint URI {uri!r}: use a local path or file:// URI")
+    from elastic_ddp.checkpoint.remote import FsspecStorage  # imports fsspec: only for remote URIs
+
+    return FsspecStorage(uri, options or {})
 
 
 def basename(path: str) -> str:

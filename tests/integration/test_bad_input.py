@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_damaged_checkpoints_give_a_clear_error_and_are_not_overwritten(saved: P
     copy = tmp_path / "ckpt"
     shutil.copytree(saved, copy)
     for step_dir in copy.glob("step-*"):
-        target = next(step_dir.glob("replicated-*.pt"))
+        target = next(step_dir.glob("replicated-*.eddp"))
         data = target.read_bytes()
         target.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x80garbage" * 100)
     before = _tree_digest(copy)
@@ -97,9 +98,23 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved: Path, t
     copy = tmp_path / "ckpt"
     shutil.copytree(saved, copy)
     newest = sorted(copy.glob("step-*"))[-1]
-    next(newest.glob("replicated-*.pt")).write_bytes(b"not a checkpoint")
+    next(newest.glob("replicated-*.eddp")).write_bytes(b"not a checkpoint")
     result = train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy)])
     assert "skipping checkpoint" in result.output and "falling back" in result.output
     assert "resumed from" in result.output and "step 2," in result.output
     assert "un-committed" in result.output  # so step 4 could be committed again
     assert "step=6" in result.output
+
+
+def test_unreachable_peers_fail_naming_rank_address_and_timeout() -> None:
+    import socket
+
+    from tests.jobs import TRAIN, run
+
+    with socket.socket() as sock:  # a port nobody listens on once the socket is closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    result = run([sys.executable, TRAIN, "--dist-init-timeout-s", "2", "--max-steps", "2"], timeout=60, env=env)
+    assert result.returncode == 1
+    assert f"rank 1: cannot reach the store at 127.0.0.1:{port} within --dist-init-timeout-s=2" in result.output

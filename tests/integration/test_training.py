@@ -14,6 +14,7 @@ from tests.jobs import (
     inspect,
     load_model_state,
     metrics,
+    train,
     train_ok,
 )
 
@@ -91,3 +92,16 @@ def test_world_size_change_keeps_data_exact_and_weights_close(
     ours, theirs = load_model_state(str(workdir / f"to-{new_world_size}")), load_model_state(reference["ckpt"])
     for name, tensor in theirs.items():
         assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
+
+
+def test_sharded_optimizer_state_round_trips_bitwise_and_refuses_another_world_size(workdir: Path) -> None:
+    zero = ["--optim-zero"]
+    straight, split = workdir / "zero-straight", workdir / "zero-split"
+    train_ok(["--max-steps", "30", "--checkpoint-dir", str(straight), *zero], nproc=2)
+    train_ok(["--max-steps", "15", "--checkpoint-dir", str(split), *zero], nproc=2)
+    train_ok(["--max-steps", "30", "--checkpoint-dir", str(split), *zero], nproc=2)
+    a, b = inspect(str(straight)), inspect(str(split))
+    assert (a["model_digest"], a["data_digest"]) == (b["model_digest"], b["data_digest"])
+    refused = train(["--max-steps", "40", "--checkpoint-dir", str(split), *zero], nproc=3)
+    assert refused.returncode != 0
+    assert "sharded over another world size" in refused.output

@@ -1,0 +1,264 @@
+"""Checkpoint storage on any fsspec URI other than local disk; S3 (s3fs) first.
+
+:func:`elastic_ddp.checkpoint.storage.open_storage` imports this module, and with it fsspec,
+only when a checkpoint root is a remote URI; fsspec imports s3fs on the first ``s3://`` root.
+
+Options: the mapping given to ``open_storage`` (a run's ``--checkpoint-storage-options``
+JSON object) goes unchanged to the fsspec filesystem, for s3fs for instance::
+
+    {"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "...",
+     "client_kwargs": {...},
+     "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                       "retries": {"max_attempts": 3, "mode": "standard"}}}
+
+Without ``key``/``secret``, s3fs (botocore) reads the standard AWS environment:
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION`` (then ``~/.aws``). Options are never logged,
+and every credential found in them or in that environment is masked in error messages.
+
+Two options are fixed because the commit protocol needs them: ``use_listings_cache=False``
+(s3fs caches listings per filesystem object, and a reader must see the step directories
+other processes committed since) and ``skip_instance_cache=True`` (each storage gets a
+client of its own instead of one shared with unrelated code in the process). Asking for a
+listing cache is refused rather than ignored.
+
+Retries and timeouts: this module adds none. botocore retries connection failures,
+timeouts and throttling (default: 5 attempts with backoff, about 6 s against an endpoint
+that is down; tune with ``config_kwargs`` as above) and s3fs retries a few transport
+errors on top. A create-only conflict (HTTP 412) is an answer, not a failure: nothing
+retries it. When the retries are spent, the operation raises ``CheckpointStorageError``
+naming the URI.
+
+Semantics match :class:`~elastic_ddp.checkpoint.storage.LocalStorage`:
+
+- ``write`` streams chunks through s3fs's buffered file: one PUT for an object smaller
+  than the block size (``default_block_size``, 50 MiB), else a multipart upload that
+  ``close`` completes in one request. Until then readers see nothing; an exception aborts
+  the upload, so a partial object is never committed. Other protocols get one
+  ``pipe_file`` of the joined chunks.
+- ``create`` is ``pipe_file(path, data, mode="create")``: on S3 a PUT with
+  ``If-None-Match: *``. S3 answers 412 Precondition Failed when the key exists, which s3fs
+  raises as ``FileExistsError`` (an ``OSError(EINVAL)`` caused by a ``ClientError`` with
+  status 412 where the endpoint omits the ``Condition`` field); both, and AWS's 409
+  ``ConditionalRequestConflict`` for a racing conditional PUT, become
+  ``CheckpointConflictError``. On other protocols create-only is as atomic as their
+  ``pipe_file(mode="create")``, which is verified only for S3 (a warning says so).
+- Directories do not exist on S3: a prefix ``step-N`` exists iff an object is under it,
+  ``list_dir`` lists the names directly under a prefix, and a directory's ``mtime`` is the
+  newest ``LastModified`` under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from elastic_ddp.checkpoint.storage import Checksum, CheckpointStorageError, FileRecord, basename
+from elastic_ddp.errors import CheckpointConflictError, CheckpointError
+
+logger = logging.getLogger(__name__)
+
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+_FIXED_OPTIONS = {"use_listings_cache": False, "skip_instance_cache": True}
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+_CREDENTIAL_OPTION = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
+_MASK = "***"
+
+
+class FsspecStorage:
+    """The :class:`~elastic_ddp.checkpoint.storage.Storage` protocol over an fsspec filesystem."""
+
+    def __init__(self, uri: str, options: Mapping[str, Any]) -> None:
+        self.root = uri.rstrip("/")
+        self.protocol = split_protocol(uri)[0] or ""
+        self._secrets = _credential_values(options)
+        self._failures = _transport_errors(self.protocol)
+        self._fs = self._filesystem(options)
+        if self.protocol not in S3_PROTOCOLS:
+            logger.warning(
+                "checkpoint storage %s: create-only commits are verified on s3:// only; on %s:// they are as "
+                "atomic as its pipe_file(mode='create')", self.root, self.protocol,
+            )
+
+    def _filesystem(self, options: Mapping[str, Any]) -> fsspec.AbstractFileSystem:
+        if options.get("use_listings_cache"):
+            raise CheckpointError(
+                f"storage option use_listings_cache for {self.root} is not supported: a cached listing "
+                "hides checkpoints that other processes committed"
+            )
+        try:
+            fs = fsspec.filesystem(self.protocol, **{**options, **_FIXED_OPTIONS})
+            if self.protocol in S3_PROTOCOLS:
+                fs.connect()  # builds the client (no request yet): a bad option fails here, not mid-save
+            return fs
+        except ImportError as exc:
+            raise CheckpointError(
+                f"cannot open {self.root}: {exc}. For s3:// URIs: pip install 'elastic-ddp[s3]'"
+            ) from exc
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(self._redact(f"cannot open {self.root} with these storage options: {exc}")) from exc
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        with self._errors("write", path):
+            if self.protocol in S3_PROTOCOLS:
+                return self._upload(path, chunks)
+            return self._put_whole(path, chunks)
+
+    def _upload(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        """Stream into a buffered file: parts go up as the buffer fills, the object appears on close."""
+        checksum = Checksum()
+        handle = self._fs.open(path, "wb")
+        try:
+            for chunk in chunks:
+                handle.write(chunk)
+                checksum.update(chunk)
+            handle.close()  # the commit: one PUT, or completing the multipart upload
+        except BaseException:
+            _abandon(handle, path)
+            raise
+        return checksum.record()
+
+    def _put_whole(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+        checksum, parts = Checksum(), []
+        for chunk in chunks:
+            checksum.update(chunk)
+            parts.append(chunk)
+        self._fs.pipe_file(path, b"".join(parts))
+        return checksum.record()
+
+    def create(self, path: str, data: bytes) -> None:
+        with self._errors("create", path):
+            try:
+                self._fs.pipe_file(path, data, mode="create")
+            except OSError as exc:
+                if not _lost_create_race(exc):
+                    raise
+                if self._holds(path, data):
+                    return  # our own earlier attempt, retried after its response was lost
+                raise CheckpointConflictError(f"{path} already exists: another writer committed first") from exc
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        try:
+            return self._fs.cat_file(path) == data
+        except FileNotFoundError:
+            return False
+
+    def replace(self, path: str, data: bytes) -> None:
+        with self._errors("write", path):
+            self._fs.pipe_file(path, data)
+
+    def read(self, path: str) -> bytes:
+        with self._errors("read", path):
+            return self._fs.cat_file(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        with self._errors("list", path):
+            try:
+                entries = self._fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+        itself = self._fs._strip_protocol(path).rstrip("/")
+        return sorted({basename(entry) for entry in entries if entry.rstrip("/") != itself})
+
+    def exists(self, path: str) -> bool:
+        with self._errors("look up", path):
+            try:
+                self._fs.info(path)
+            except FileNotFoundError:
+                return False
+        return True
+
+    def mtime(self, path: str) -> float:
+        with self._errors("stat", path):
+            entries = self._fs.find(path, detail=True)
+            if not entries:
+                raise FileNotFoundError(path)
+            return max(self._modified(name, info) for name, info in entries.items())
+
+    def _modified(self, name: str, info: Mapping[str, Any]) -> float:
+        stamp = info.get("LastModified") or self._fs.modified(name)
+        return stamp.timestamp()
+
+    def remove(self, path: str) -> None:
+        with self._errors("remove", path):
+            self._fs.rm_file(path)
+
+    def remove_tree(self, path: str) -> None:
+        with self._errors("remove", path):
+            self._fs.rm(path, recursive=True)
+
+    @contextmanager
+    def _errors(self, action: str, path: str) -> Iterator[None]:
+        """Raise the client's exceptions as the storage errors of the protocol, naming the URI."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{path} does not exist") from exc
+        except self._failures as exc:
+            raise CheckpointStorageError(self._redact(
+                f"cannot {action} {path}: {type(exc).__name__}: {exc}. Check that the endpoint is reachable and "
+                "the credentials (--checkpoint-storage-options or the AWS_* environment) are valid"
+            )) from exc
+
+    def _redact(self, message: str) -> str:
+        for secret in self._secrets:
+            message = message.replace(secret, _MASK)
+        return message
+
+
+def _transport_errors(protocol: str) -> tuple[type[BaseException], ...]:
+    """What a failing request raises: OSError and timeouts, plus botocore's own errors for S3."""
+    errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+    if protocol in S3_PROTOCOLS:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        errors += (BotoCoreError, ClientError)
+    return errors
+
+
+def _lost_create_race(exc: OSError) -> bool:
+    """Whether a create-only PUT failed because the key exists (412) or is being created by a racer (409)."""
+    if isinstance(exc, FileExistsError):
+        return True
+    response = getattr(exc.__cause__, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = response.get("Error", {}).get("Code")
+    return status == 412 or code == "ConditionalRequestConflict"
+
+
+def _abandon(handle: Any, path: str) -> None:
+    """Abort an unfinished upload so that nothing is committed, not even by the file object's ``__del__``."""
+    try:
+        handle.discard()  # aborts the multipart upload, if one was started
+    except Exception as exc:  # the original error matters more; an unfinished upload is invisible to readers
+        logger.warning(
+            "could not abort the upload of %s (%s); a bucket lifecycle rule for incomplete multipart uploads "
+            "removes its parts", path, type(exc).__name__,
+        )
+    finally:
+        handle.closed = True
+
+
+def _credential_values(options: Mapping[str, Any]) -> tuple[str, ...]:
+    """Every credential in the options or the AWS environment, longest first (for masking)."""
+    found = {os.environ.get(name, "") for name in _CREDENTIAL_ENV} | set(_option_credentials(options))
+    return tuple(sorted((value for value in found if len(value) >= 4), key=len, reverse=True))
+
+
+def _option_credentials(options: Mapping[str, Any]) -> Iterator[str]:
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            yield from _option_credentials(value)
+        elif isinstance(value, str) and _CREDENTIAL_OPTION.search(str(name)):
+            yield value
