@@ -89,7 +89,11 @@ class TrainState:
 
     def replicated_state_dict(self) -> dict[str, Any]:
         state = {"model": self.model.state_dict(), "scheduler": self.scheduler.state_dict()}
-        if not self.sharded_optimizer:
+        if self.sharded_optimizer:
+            # The shard's own param groups hold the hyperparameters of its last step; the scheduler has
+            # moved the outer (replicated) groups on since, so those are what a resume must see.
+            state["optimizer_groups"] = [_hyperparameters(group) for group in self.optimizer.param_groups]
+        else:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
@@ -160,12 +164,16 @@ class TrainState:
         assert rank_local is not None
         local = self.optimizer.optim  # type: ignore[attr-defined]
         local.load_state_dict(rank_local["optimizer_shard"])
-        for outer, inner in zip(self.optimizer.param_groups, local.param_groups):
-            outer.update({key: value for key, value in inner.items() if key != "params"})
+        for group, saved in zip(self.optimizer.param_groups, replicated["optimizer_groups"]):
+            group.update(saved)
 
     @property
     def position(self) -> DataPosition:
         return self.sampler.position
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 def is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:

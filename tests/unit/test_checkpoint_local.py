@@ -194,3 +194,30 @@ def test_manifest_validation_rejects_path_traversal() -> None:
     }
     with pytest.raises(CheckpointCorruptError, match="not allowed"):
         Manifest.from_json(json.dumps(body).encode(), "test")
+
+
+def test_sharded_optimizer_resume_continues_bitwise(tmp_path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def zero_state(seed: int) -> TrainState:
+            state = make_state(seed=seed)
+            state.optimizer = ZeroRedundancyOptimizer(state.model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+            state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0 / (step + 1))
+            return state
+
+        torch.manual_seed(1)
+        straight = zero_state(0)
+        advance(straight, 2)
+        manager(tmp_path).save(straight)
+        resumed = zero_state(5)
+        manager(tmp_path).restore(resumed)
+        torch.manual_seed(2)
+        advance(straight, 2)
+        torch.manual_seed(2)
+        advance(resumed, 2)
+        assert model_digest(resumed.model.state_dict()) == model_digest(straight.model.state_dict())
+    finally:
+        dist.destroy_process_group()
