@@ -3,6 +3,9 @@
   elastic-ddp ckpt ls URI                  every step directory: step, time, size, world size, valid?
   elastic-ddp ckpt inspect URI [--json]    the newest valid checkpoint (or URI/step-N): position and digests
   elastic-ddp ckpt verify URI [--step N]   re-hash every file; non-zero exit naming the first bad file
+  elastic-ddp ckpt rm URI --step N [--dry-run]          delete one step directory
+  elastic-ddp ckpt gc URI [--keep K] [--dry-run]        apply retention: keep the newest K committed,
+                                                        remove stale unfinished writes
 
 URI is a checkpoint root (``--checkpoint-dir`` of a run) or one ``step-N`` directory in it.
 """
@@ -131,6 +134,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_rm(args: argparse.Namespace) -> int:
+    root, step = _split_uri(args.uri)
+    step = args.step if args.step is not None else step
+    if step is None:
+        print("elastic-ddp: error: name the checkpoint with --step N or a .../step-N URI", file=sys.stderr)
+        return 2
+    manager = _manager(root)
+    if args.dry_run:
+        print(f"would remove {manager.describe(step).path}")
+        return 0
+    print(f"removed {manager.remove_step(step)}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        print("elastic-ddp: error: --keep must be >= 1", file=sys.stderr)
+        return 2
+    root, _ = _split_uri(args.uri)
+    manager = _manager(root)
+    if args.dry_run:
+        doomed = manager.retention_plan(keep=args.keep)
+        verb = "would remove"
+    else:
+        doomed = manager.apply_retention(keep=args.keep)
+        verb = "removed"
+    for path in doomed:
+        print(f"{verb} {path}")
+    if not doomed:
+        print("nothing to remove")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("uri", help="checkpoint root or a step-N directory")
     verify.add_argument("--step", type=int, help="verify only this step (default: every committed one)")
     verify.set_defaults(func=cmd_verify)
+    rm = ckpt_commands.add_parser("rm", help="delete one step directory")
+    rm.add_argument("uri", help="checkpoint root or a step-N directory")
+    rm.add_argument("--step", type=int, help="the step to delete")
+    rm.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    rm.set_defaults(func=cmd_rm)
+    gc = ckpt_commands.add_parser("gc", help="keep the newest K committed checkpoints, remove the rest and stale leftovers")
+    gc.add_argument("uri", help="checkpoint root")
+    gc.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep (default: 3)")
+    gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    gc.set_defaults(func=cmd_gc)
     return parser
 
 

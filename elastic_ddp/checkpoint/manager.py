@@ -334,12 +334,14 @@ class CheckpointManager:
 
     # -- retention ---------------------------------------------------------------
 
-    def apply_retention(self, now: float | None = None) -> list[str]:
-        """Remove committed checkpoints beyond the newest ``keep`` and stale unfinished writes."""
+    def retention_plan(self, keep: int | None = None, now: float | None = None) -> list[str]:
+        """Paths retention would remove: committed checkpoints beyond the newest ``keep`` (default: the
+        manager's), and unfinished writes older than the newest commit and idle for LEFTOVER_GRACE_S."""
+        keep = self.keep if keep is None else keep
         now = time.time() if now is None else now
         infos = self.list()
         committed = [info for info in infos if info.committed]
-        doomed = [info.path for info in committed[self.keep :]]
+        doomed = [info.path for info in committed[keep:]]
         if committed:
             newest = committed[0].step
             doomed += [
@@ -347,10 +349,25 @@ class CheckpointManager:
                 for info in infos
                 if not info.committed and info.step < newest and now - self.storage.mtime(info.path) > LEFTOVER_GRACE_S
             ]
+        return doomed
+
+    def apply_retention(self, keep: int | None = None, now: float | None = None) -> list[str]:
+        """Remove what :meth:`retention_plan` lists; returns the removed paths."""
+        doomed = self.retention_plan(keep, now)
         for path in doomed:
             self.storage.remove_tree(path)
             logger.info("retention removed %s", path)
         return doomed
+
+    def remove_step(self, step: int) -> str:
+        """Delete one step directory (committed or not); the manifest goes first, so it is never half-visible."""
+        info = self.describe(step)
+        if not self.storage.exists(info.path) and not self.storage.list_dir(info.path):
+            raise CheckpointError(f"{info.path} does not exist")
+        if self.storage.exists(self._manifest_path(step)):
+            self.storage.remove(self._manifest_path(step))
+        self.storage.remove_tree(info.path)
+        return info.path
 
     # -- collectives -------------------------------------------------------------
 

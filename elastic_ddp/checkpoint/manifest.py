@@ -103,7 +103,9 @@ class Manifest:
             raise CheckpointCorruptError(f"{where}: manifest is not valid JSON ({exc})") from exc
         try:
             return cls._validated(body)
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise CheckpointCorruptError(f"{where}: malformed manifest: missing field {exc}") from exc
+        except (TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{where}: malformed manifest: {exc}") from exc
 
     @classmethod
