@@ -87,7 +87,7 @@ def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server
     assert time.monotonic() - start < 10
 
 
-def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
@@ -96,6 +96,7 @@ def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path) -> subprocess
         "--local-addr=127.0.0.1", str(WORKER), str(out_dir),
     ]  # fmt: skip
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if share_store else "1"
     with open(log, "wb") as output:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -106,9 +107,15 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(etcd_server: EtcdServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("share_store", [True, False], ids=["agent-store", "worker-store"])
+def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(etcd_server: EtcdServer, tmp_path: Path, share_store: bool) -> None:
+    """Both worker-store modes: the TCPStore of the rank-0 agent (torch's default), or, with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, one that rank 0's worker hosts on a port published
+    through the etcd store."""
     run_id = uuid.uuid4().hex[:8]
-    agents = [torchrun(etcd_server.endpoint, run_id, tmp_path, tmp_path / ("agent-%d.log" % i)) for i in range(2)]
+    agents = [
+        torchrun(etcd_server.endpoint, run_id, tmp_path, tmp_path / ("agent-%d.log" % i), share_store) for i in range(2)
+    ]
     try:
         deadline = time.monotonic() + 240
         for agent in agents:
