@@ -210,6 +210,48 @@ class DistConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResilienceConfig:
+    """Stop requests, emergency saves, the hang watchdog and consistency checks."""
+
+    handle_signals: bool = True
+    """Turn SIGTERM/SIGINT into a stop request: all ranks finish the step, save, and exit (torchrun
+    forwards its SIGTERM to the workers and kills them after its --shutdown-timeout, 30 s by default)."""
+    spot_notice_url: str = ""
+    """Poll this instance-metadata URL for a spot interruption notice; 'aws' and 'gcp' name the
+    clouds' standard endpoints. Empty: no polling."""
+    spot_poll_interval_s: float = 5.0
+    """Seconds between two polls of --resilience-spot-notice-url."""
+    save_deadline_s: float = 20.0
+    """An emergency save must commit within this many seconds, else the worker exits anyway and the
+    previous checkpoint stays the newest. Keep it below torchrun's --shutdown-timeout."""
+    watchdog_timeout_s: float = 300.0
+    """A step phase (data, compute, collective, eval) that makes no progress for this long is a hang:
+    stacks are dumped and the worker exits so torchrun restarts the group. 0 disables the watchdog."""
+    watchdog_checkpoint_timeout_s: float = 900.0
+    """Like --resilience-watchdog-timeout-s, for staging or writing a regular checkpoint."""
+    consistency_every: int = 0
+    """Every N steps all ranks compare a digest of their parameters; a mismatch stops the run naming
+    the ranks that disagree. 0: off."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        for name in ("spot_poll_interval_s", "save_deadline_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                found.append((name, "must be a finite number of seconds > 0"))
+        for name in ("watchdog_timeout_s", "watchdog_checkpoint_timeout_s"):
+            value = getattr(self, name)
+            if value < 0 or not math.isfinite(value):
+                found.append((name, "must be a finite number of seconds >= 0 (0 disables)"))
+        if self.consistency_every < 0:
+            found.append(("consistency_every", "must be >= 0"))
+        url = self.spot_notice_url
+        if url and url not in ("aws", "gcp") and not url.startswith(("http://", "https://")):
+            found.append(("spot_notice_url", "must be 'aws', 'gcp' or an http(s) URL"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig:
     """Logs, progress and metrics."""
 
@@ -261,6 +303,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:

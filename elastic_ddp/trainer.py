@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -38,6 +39,9 @@ from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import DataError
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
+from elastic_ddp.resilience.consistency import check_consistency
+from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
+from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
 from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, seed_rng_streams
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ class TrainResult:
     accuracy: float | None
     model_digest: str
     data_digest: str
+    reason: str = "done"
+    """Why the run returned: done, preempted (this rank was asked to stop) or peer-lost (another was)."""
 
 
 def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
@@ -118,11 +124,13 @@ class Trainer:
             fingerprint=fingerprint(config),
             seed=config.seed,
         )
+        self.control_group = self._make_control_group()
         self.checkpoints = self._make_checkpoint_manager()
         self.async_checkpoints = (
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
         )
         self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
+        self._start_resilience()
         self._restore_or_start_fresh()
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._empty_batch: Any = None
@@ -150,12 +158,6 @@ class Trainer:
     def _make_checkpoint_manager(self) -> CheckpointManager | None:
         if not self.config.checkpoint.dir:
             return None
-        group = None
-        if self.context.world_size > 1:
-            # Checkpoint coordination gets its own gloo group: object collectives work whatever the
-            # training backend is, and a background save never interleaves with the step's collectives.
-            timeout = timedelta(seconds=self.config.dist.collective_timeout_s)
-            group = dist.new_group(backend="gloo", timeout=timeout)
         return CheckpointManager(
             self.config.checkpoint.dir,
             rank=self.context.rank,
@@ -164,8 +166,38 @@ class Trainer:
             generation=self.context.env.restart_count,
             keep=self.config.checkpoint.keep,
             storage_options=storage_options(self.config.checkpoint),
-            group=group,
+            group=self.control_group,
         )
+
+    def _make_control_group(self) -> dist.ProcessGroup | None:
+        """A gloo group for checkpoint coordination and consistency checks: object collectives work
+        whatever the training backend is, and a background save never interleaves with the step's collectives."""
+        if self.context.world_size == 1:
+            return None
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.dist.collective_timeout_s))
+
+    def _start_resilience(self) -> None:
+        resilience = self.config.resilience
+        self.stop = StopRequests()
+        if resilience.handle_signals:
+            self.stop.install_signal_handlers()
+        self.spot_poller = (
+            SpotNoticePoller(resilience.spot_notice_url, resilience.spot_poll_interval_s, self.stop).start()
+            if resilience.spot_notice_url else None
+        )
+        step_limit = PhaseLimit(resilience.watchdog_timeout_s, "hang")
+        log = self.config.log
+        self.watchdog = Watchdog(
+            {
+                "data": step_limit,
+                "step": step_limit,
+                "collective": step_limit,
+                "eval": step_limit,
+                "checkpoint": PhaseLimit(resilience.watchdog_checkpoint_timeout_s, "hang"),
+                "emergency-save": PhaseLimit(resilience.save_deadline_s, "save-deadline"),
+            },
+            log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
+        ).start()
 
     def _restore_or_start_fresh(self) -> None:
         restored = None
@@ -205,39 +237,100 @@ class Trainer:
         )
 
     def run(self) -> TrainResult:
-        """Train until max_steps / max_epochs; commit the final checkpoint; return digests."""
+        """Train until max_steps / max_epochs, or until a stop request is agreed; commit a checkpoint."""
         counters = self.state.counters
-        total = self.config.max_steps or 0
-        progress = Progress(total, Progress.wanted(self.config.log.progress, self.context.is_main))
+        progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         batches = self._make_loader()
         last_loss: float | None = None
+        stop_reason: str | None = None
         try:
             while not self.done(plan := self.sampler.plan()):
                 started = time.perf_counter()
                 data_wait = self._step(plan, batches, loss_sum)
                 timer.add(plan.size, time.perf_counter() - started, data_wait)
                 self._set_log_step(counters.step)
+                stop_reason, save_due = self._agree()
                 if counters.step % self.config.log.every == 0:
                     last_loss = self._log_step(timer, loss_sum, plan)
                     timer.reset()
                     loss_sum.zero_()
                 progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
-                if self.config.eval_every and counters.step % self.config.eval_every == 0:
-                    self.evaluate()
-                if self.async_checkpoints is not None:
-                    self.async_checkpoints.poll()
-                if self._checkpoint_due():
-                    self.save_checkpoint()
+                if stop_reason is not None:
+                    break
+                self._periodic_checks(save_due)
         finally:
             progress.close()
             del batches
+        if stop_reason is not None:
+            return self._stop(stop_reason, last_loss)
+        return self._finish(last_loss)
+
+    def _agree(self) -> tuple[str | None, bool]:
+        """The per-step decision all ranks share: stop now (and why), and is a time-based save due.
+
+        One tiny all-reduce carries (this rank was asked to stop, this rank's save clock ran out);
+        a stop asked of any rank stops all of them at this step boundary.
+        """
+        self.watchdog.enter("collective")
+        every_s = self.config.checkpoint.every_seconds
+        time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
+        flags = torch.tensor([self.stop.requested, time_due], dtype=torch.int32, device=self.device)
+        if self.context.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop_any, save_due = bool(flags[0]), bool(flags[1])
+        self.watchdog.enter("step")
+        if not stop_any:
+            return None, save_due
+        return ("preempted" if self.stop.requested else "peer-lost"), save_due
+
+    def _periodic_checks(self, save_due: bool) -> None:
+        step = self.state.counters.step
+        if self.config.eval_every and step % self.config.eval_every == 0:
+            self.watchdog.enter("eval")
+            self.evaluate()
+        if self.config.resilience.consistency_every and step % self.config.resilience.consistency_every == 0:
+            self.watchdog.enter("collective")
+            check_consistency(self.model, step, self.control_group)
+        if self.async_checkpoints is not None:
+            self.async_checkpoints.poll()
+        every = self.config.checkpoint.every
+        if self.checkpoints is not None and (save_due or (every and step % every == 0)):
+            self.watchdog.enter("checkpoint")
+            self.save_checkpoint()
+        self.watchdog.enter("step")
+
+    def _stop(self, reason: str, last_loss: float | None) -> TrainResult:
+        """A stop request was agreed at this step: commit it (within the save deadline) and return."""
+        step = self.state.counters.step
+        self.log0.warning("stop agreed at step %d (%s%s)", step, reason,
+                          f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
+        if self.checkpoints is not None:
+            self.watchdog.enter("emergency-save")
+            started = time.perf_counter()
+            if self.async_checkpoints is not None:
+                self.async_checkpoints.wait()
+            if self._last_commit_step != step:
+                self.checkpoints.save(self.state)
+                self._last_commit_step = step
+            self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
+        self.watchdog.enter("idle")
+        result = TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
+                             model_digest="", data_digest=self.state.counters.data_digest, reason=reason)
+        self.metrics.write({"event": "stop", **result.__dict__})
+        return result
+
+    def _finish(self, last_loss: float | None) -> TrainResult:
+        counters = self.state.counters
+        self.watchdog.enter("checkpoint")
         if self.async_checkpoints is not None:
             self.async_checkpoints.wait()
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
+        self.watchdog.enter("eval")
         accuracy = self.evaluate()
+        self.watchdog.enter("idle")
         result = TrainResult(
             step=counters.step,
             epoch=self.sampler.position.epoch,
@@ -261,12 +354,14 @@ class Trainer:
         count = max(len(micro_batches), 1)  # a rank with no share still joins the gradient all-reduce
         for index in range(count):
             waited = time.perf_counter()
+            self.watchdog.enter("data")
             if micro_batches:
                 batch = next(batches)
                 self._check_ids(batch, micro_batches[index], plan)
             else:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
+            self.watchdog.enter("step")
             inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
             sync = index == count - 1
             with nullcontext() if sync else self.ddp.no_sync():
@@ -362,20 +457,6 @@ class Trainer:
         self.metrics.write({"step": self.state.counters.step, "eval_accuracy": accuracy, "time": time.time()})
         return accuracy
 
-    def _checkpoint_due(self) -> bool:
-        if self.checkpoints is None:
-            return False
-        config = self.config.checkpoint
-        if config.every and self.state.counters.step % config.every == 0:
-            return True
-        if not config.every_seconds:
-            return False
-        # Clocks differ between ranks: the decision is taken by all of them together.
-        due = torch.tensor([time.monotonic() - self._last_commit_time >= config.every_seconds], dtype=torch.int32, device=self.device)
-        if self.context.world_size > 1:
-            dist.all_reduce(due, op=dist.ReduceOp.MAX)
-        return bool(due.item())
-
     def save_checkpoint(self, blocking: bool = False) -> None:
         """Commit a checkpoint of the current step: staged and committed in the background unless ``blocking``."""
         assert self.checkpoints is not None
@@ -393,8 +474,13 @@ class Trainer:
         self._last_commit_time = time.monotonic()
 
     def close(self) -> None:
+        self.watchdog.enter("checkpoint")  # a save still in flight is waited for under that phase's limit
         if self.async_checkpoints is not None:
             self.async_checkpoints.close()
+        self.watchdog.close()
+        if self.spot_poller is not None:
+            self.spot_poller.close()
+        self.stop.restore_signal_handlers()
         self.metrics.close()
 
 

@@ -21,6 +21,8 @@ from elastic_ddp.config import config_from_args
 from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.errors import ElasticDDPError
 from elastic_ddp.logs import setup_logging
+from elastic_ddp.resilience.consistency import DivergenceError
+from elastic_ddp.resilience.exits import log_exit, write_error_file
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
 from model import build_model
@@ -39,15 +41,17 @@ def main(argv: list[str] | None = None) -> int:
             train_data, eval_data = make_datasets(config.data, config.model)
             trainer = Trainer(config, context, build_model(config.model), train_data, eval_data=eval_data, log_context=log)
             try:
-                trainer.run()
+                result = trainer.run()
             finally:
                 trainer.close()
+        return log_exit(result.reason)
     except ElasticDDPError as exc:
+        reason = "divergence" if isinstance(exc, DivergenceError) else "error"
         logger.error("%s", exc)
-        return 1
+        write_error_file(reason, str(exc))
+        return log_exit(reason)
     finally:
         log.close()
-    return 0
 
 
 if __name__ == "__main__":

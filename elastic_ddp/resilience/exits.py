@@ -1,0 +1,69 @@
+"""Why a worker exits, and the exit status that makes torchrun's agent do the right thing.
+
+===================  ======  ==============================================================
+reason               status  what the agent does
+===================  ======  ==============================================================
+``done``             0       the run reached --max-steps/--max-epochs; the agent finishes
+``preempted``        0       this rank was asked to stop (SIGTERM/SIGINT or a spot notice),
+                             saved, and leaves; its agent ends (it was signalled, or it sees
+                             its workers succeed) and the node leaves the job
+``peer-lost``        75      a peer was preempted: this rank saved with it and exits with a
+                             failure status, so its agent restarts the worker group and
+                             re-rendezvouses with whoever is still there
+``hang:<phase>``     76      the watchdog saw no progress in <phase> for too long; stacks are
+                             in the log; the agent restarts the group from the last checkpoint
+``divergence``       77      ranks disagreed on the parameters; the agent restarts the group
+``save-deadline``    78      an emergency save did not finish within its deadline; the
+                             previous checkpoint stays the newest committed one
+``error``            1       any other failure (bad config, storage error, a bug)
+===================  ======  ==============================================================
+
+A restart consumes one of torchrun's ``--max-restarts``: give an elastic job enough of them
+for the failures and departures it should survive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODES: dict[str, int] = {
+    "done": 0,
+    "preempted": 0,
+    "peer-lost": 75,
+    "hang": 76,
+    "divergence": 77,
+    "save-deadline": 78,
+    "error": 1,
+}
+
+
+def exit_code(reason: str) -> int:
+    """The status for a reason (``hang:<phase>`` maps like ``hang``)."""
+    return EXIT_CODES[reason.split(":", 1)[0]]
+
+
+def log_exit(reason: str, detail: str = "") -> int:
+    """Log the one line that says why this worker exits; return its exit status."""
+    code = exit_code(reason)
+    logger.log(logging.INFO if code == 0 else logging.ERROR, "exit: reason=%s status=%d%s", reason, code,
+               f" ({detail})" if detail else "")
+    return code
+
+
+def write_error_file(reason: str, message: str) -> None:
+    """Record the failure where torchrun's agent looks for it (TORCHELASTIC_ERROR_FILE), so its
+    failure summary shows this message for this rank instead of <N/A>."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    body = {"message": {"message": f"{reason}: {message}", "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(body, handle)
+    except OSError as exc:  # the agent then shows <N/A>; the log line above still says why
+        logger.warning("could not write the error file %s: %s", path, exc)
