@@ -12,6 +12,10 @@ NNODES=${NNODES:-1}
 NPROC=${NPROC:-2}
 TORCHRUN=${TORCHRUN:-.venv/bin/torchrun}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Each worker-group restart gets a fresh, empty TCPStore instead of torchrun's long-lived agent
+# store, whose stale keys from the previous attempt break about half of all restarts
+# (elastic_ddp/rendezvous/RESTARTS.md).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 if [ "$NNODES" = "1" ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
     exec "$TORCHRUN" --standalone --nproc-per-node="$NPROC" examples/train.py "$@"
 fi
