@@ -26,9 +26,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
@@ -146,8 +147,13 @@ class EtcdClient(Protocol):
     def put_many(self, items: Sequence[tuple[bytes, bytes]], lease: int = 0) -> int:
         """Write all items in one transaction; returns the new revision."""
 
-    def put_if(self, key: bytes, value: bytes, condition: Condition, lease: int = 0) -> TxnOutcome:
-        """Write only if ``condition`` holds, in one transaction that also reads the key otherwise."""
+    def put_if(
+        self, key: bytes, value: bytes, condition: Condition, lease: int = 0, also: Sequence[tuple[bytes, bytes]] = ()
+    ) -> TxnOutcome:
+        """Write ``key`` (and the ``also`` pairs) only if ``condition`` holds on ``key``.
+
+        One transaction, which reads ``key`` when the condition fails.
+        """
 
     def delete(self, key: bytes) -> bool:
         """Delete the key; ``True`` if it existed."""
@@ -228,8 +234,7 @@ class GrpcEtcdClient:
 
     def get(self, key: bytes) -> KeyValue | None:
         """See :class:`EtcdClient`."""
-        response = self._call("get", lambda ch, t, md: etcdrpc.KVStub(ch).Range(
-            etcdrpc.RangeRequest(key=key), timeout=t, metadata=md))
+        response = self._unary("get", etcdrpc.KVStub, "Range", etcdrpc.RangeRequest(key=key))
         return _to_key_value(response.kvs[0]) if response.kvs else None
 
     def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
@@ -242,27 +247,26 @@ class GrpcEtcdClient:
     def count_prefix(self, prefix: bytes) -> int:
         """See :class:`EtcdClient`."""
         request = etcdrpc.RangeRequest(key=prefix, range_end=_prefix_end(prefix), count_only=True)
-        response = self._call("count_prefix", lambda ch, t, md: etcdrpc.KVStub(ch).Range(
-            request, timeout=t, metadata=md))
+        response = self._unary("count_prefix", etcdrpc.KVStub, "Range", request)
         return int(response.count)
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """See :class:`EtcdClient`."""
         request = etcdrpc.PutRequest(key=key, value=value, lease=lease)
-        response = self._call("put", lambda ch, t, md: etcdrpc.KVStub(ch).Put(
-            request, timeout=t, metadata=md))
-        return response.header.revision
+        return self._unary("put", etcdrpc.KVStub, "Put", request).header.revision
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], lease: int = 0) -> int:
         """See :class:`EtcdClient`."""
         ops = [_put_op(key, value, lease) for key, value in items]
         return self._txn("put_many", etcdrpc.TxnRequest(success=ops)).header.revision
 
-    def put_if(self, key: bytes, value: bytes, condition: Condition, lease: int = 0) -> TxnOutcome:
+    def put_if(
+        self, key: bytes, value: bytes, condition: Condition, lease: int = 0, also: Sequence[tuple[bytes, bytes]] = ()
+    ) -> TxnOutcome:
         """See :class:`EtcdClient`."""
         request = etcdrpc.TxnRequest(
             compare=[_compare(key, condition)],
-            success=[_put_op(key, value, lease)],
+            success=[_put_op(key, value, lease)] + [_put_op(k, v, lease) for k, v in also],
             failure=[etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))],
         )
         response = self._txn("put_if", request)
@@ -273,8 +277,7 @@ class GrpcEtcdClient:
 
     def delete(self, key: bytes) -> bool:
         """See :class:`EtcdClient`."""
-        response = self._call("delete", lambda ch, t, md: etcdrpc.KVStub(ch).DeleteRange(
-            etcdrpc.DeleteRangeRequest(key=key), timeout=t, metadata=md))
+        response = self._unary("delete", etcdrpc.KVStub, "DeleteRange", etcdrpc.DeleteRangeRequest(key=key))
         return response.deleted > 0
 
     def wait_for_put(self, key: bytes, after_revision: int, timeout: float) -> bool:
@@ -288,10 +291,11 @@ class GrpcEtcdClient:
 
     def lease_grant(self, ttl: int) -> int:
         """See :class:`EtcdClient`."""
-        response = self._call("lease_grant", lambda ch, t, md: etcdrpc.LeaseStub(ch).LeaseGrant(
-            etcdrpc.LeaseGrantRequest(TTL=ttl), timeout=t, metadata=md))
+        response = self._unary("lease_grant", etcdrpc.LeaseStub, "LeaseGrant", etcdrpc.LeaseGrantRequest(TTL=ttl))
         if response.error:
-            raise EtcdConnectionError("etcd at %s refused a %ds lease: %s" % (self._endpoint_list(), ttl, response.error))
+            raise EtcdConnectionError(
+                "etcd at %s refused a %ds lease: %s" % (self._endpoint_list(), ttl, response.error)
+            )
         return int(response.ID)
 
     def lease_refresh(self, lease_id: int) -> int:
@@ -301,8 +305,8 @@ class GrpcEtcdClient:
 
     def status(self) -> MemberStatus:
         """See :class:`EtcdClient`."""
-        response, endpoint = self._call_on_any("status", lambda ch, t, md: etcdrpc.MaintenanceStub(ch).Status(
-            etcdrpc.StatusRequest(), timeout=t, metadata=md))
+        rpc = _unary_rpc(etcdrpc.MaintenanceStub, "Status", etcdrpc.StatusRequest())
+        response, endpoint = self._call_on_any("status", rpc)
         return MemberStatus(
             endpoint=endpoint,
             version=response.version,
@@ -322,9 +326,15 @@ class GrpcEtcdClient:
     # -- call machinery ---------------------------------------------------
 
     def _txn(self, what: str, request: etcdrpc.TxnRequest) -> etcdrpc.TxnResponse:
-        return self._call(what, lambda ch, t, md: etcdrpc.KVStub(ch).Txn(request, timeout=t, metadata=md))
+        return self._unary(what, etcdrpc.KVStub, "Txn", request)
 
-    def _call(self, what: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float | None = None) -> T:
+    def _unary(self, what: str, stub: type, method: str, request: Message) -> Any:
+        """One unary RPC ``stub(channel).method(request)`` with fail-over."""
+        return self._call(what, _unary_rpc(stub, method, request))
+
+    def _call(
+        self, what: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float | None = None
+    ) -> T:
         """Run ``rpc`` on the preferred endpoint, failing over until the deadline."""
         return self._call_on_any(what, rpc, timeout)[0]
 
@@ -434,6 +444,15 @@ class GrpcEtcdClient:
 
 
 _Metadata = tuple[tuple[str, str], ...] | None
+
+
+def _unary_rpc(stub: type, method: str, request: Message) -> Callable[[grpc.Channel, float, _Metadata], Any]:
+    """The call ``stub(channel).method(request, timeout=..., metadata=...)`` as a function of the channel."""
+
+    def rpc(channel: grpc.Channel, timeout: float, metadata: _Metadata) -> Any:
+        return getattr(stub(channel), method)(request, timeout=timeout, metadata=metadata)
+
+    return rpc
 
 
 def _keep_alive_once(

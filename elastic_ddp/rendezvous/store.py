@@ -10,23 +10,33 @@ they connect to the TCPStore that the rank-0 agent hosts (see ``etcd.py``).
 Semantics follow ``TCPStore``: ``get``/``multi_get``/``wait`` block until every
 key exists or the store timeout passes (then :class:`EtcdStoreTimeoutError`, a
 ``DistStoreError``); ``add`` is an atomic counter stored as decimal text;
-``compare_set`` with ``expected=b""`` creates a missing key. Every key is attached
-to the participant's lease (:mod:`elastic_ddp.rendezvous.lease`).
-
-``add`` is a compare-and-swap loop. If etcd fails while a swap is in flight the
-error propagates and the swap is not retried, because it may have been applied.
+``compare_set`` with ``expected=b""`` creates a missing key. ``add`` is a
+compare-and-swap loop that adds exactly once even when the client retries a swap
+that etcd applied but did not answer (see :meth:`EtcdStore.add`). Every key, the
+markers of ``add`` included, is attached to the participant's lease
+(:mod:`elastic_ddp.rendezvous.lease`).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic_ddp.rendezvous.client import Absent, Condition, EtcdClient, KeyValue, ModRevisionIs, ValueIs
+from elastic_ddp.rendezvous.client import (
+    Absent,
+    Condition,
+    EtcdClient,
+    KeyValue,
+    ModRevisionIs,
+    TxnOutcome,
+    ValueIs,
+)
 from elastic_ddp.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 
@@ -48,6 +58,9 @@ class EtcdStore(dist.Store):
         super().__init__()
         self._client = client
         self._prefix = prefix.encode()
+        self._marker_prefix = self._prefix.rstrip(b"/") + b".adds/"
+        self._instance = uuid.uuid4().hex.encode()
+        self._add_calls = itertools.count()
         self._leases = leases
         self.set_timeout(timeout)
 
@@ -83,15 +96,24 @@ class EtcdStore(dist.Store):
         return all(value is not None for value in values)
 
     def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the counter at ``key`` (missing counts as 0); returns the new value."""
-        etcd_key = self._key(key)
+        """Add ``amount`` to the counter at ``key`` (missing counts as 0); returns the new value.
+
+        Each call writes a marker key of its own in the same transaction as the
+        counter. When the client retried a swap whose first attempt etcd applied
+        but did not answer, the retry's compare fails on our own write; the marker
+        tells that apart from a competing ``add``, so the amount is added once.
+        """
+        etcd_key, marker = self._key(key), self._add_marker()
         deadline = self._deadline()
         current = self._client.get(etcd_key)
         while True:
-            new_value = _counter_value(key, current) + amount
-            outcome = self._put_if(etcd_key, str(new_value).encode(), _unchanged(current))
+            new_value = str(_counter_value(key, current) + amount).encode()
+            outcome = self._put_if(etcd_key, new_value, _unchanged(current), also=[(marker, new_value)])
             if outcome.succeeded:
-                return new_value
+                return int(new_value)
+            applied = self._client.get(marker)
+            if applied is not None:
+                return int(applied.value)
             current = outcome.current
             self._check_deadline(deadline, [key], "add to")
 
@@ -116,8 +138,14 @@ class EtcdStore(dist.Store):
         """How many keys this store holds (all rounds)."""
         return self._client.count_prefix(self._prefix)
 
-    def _put_if(self, etcd_key: bytes, value: bytes, condition: Condition):
-        return self._leases.write(lambda lease: self._client.put_if(etcd_key, value, condition, lease))
+    def _put_if(
+        self, etcd_key: bytes, value: bytes, condition: Condition, also: Sequence[tuple[bytes, bytes]] = ()
+    ) -> TxnOutcome:
+        return self._leases.write(lambda lease: self._client.put_if(etcd_key, value, condition, lease, also))
+
+    def _add_marker(self) -> bytes:
+        """A key no other ``add`` call writes, outside the store's prefix (``num_keys`` ignores it)."""
+        return b"%s%s-%d" % (self._marker_prefix, self._instance, next(self._add_calls))
 
     def _wait_for(self, keys: Sequence[str], deadline: float) -> list[KeyValue]:
         """Read all keys at one revision once all exist; watch the first missing one meanwhile."""

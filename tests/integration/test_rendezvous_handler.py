@@ -98,7 +98,9 @@ def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: 
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if share_store else "1"
     with open(log, "wb") as output:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop_process_group(process: subprocess.Popen[bytes]) -> None:
@@ -108,7 +110,11 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.parametrize("share_store", [True, False], ids=["agent-store", "worker-store"])
-def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(etcd_server: EtcdServer, tmp_path: Path, share_store: bool) -> None:
+def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
+    etcd_server: EtcdServer,
+    tmp_path: Path,
+    share_store: bool,
+) -> None:
     """Both worker-store modes: the TCPStore of the rank-0 agent (torch's default), or, with
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, one that rank 0's worker hosts on a port published
     through the etcd store."""

@@ -122,7 +122,10 @@ def test_mutual_tls_with_ca_and_client_certificate(tls_etcd: tuple[EtcdServer, d
     assert store.get("k") == b"v"
 
 
-def test_https_endpoint_with_only_a_ca_is_refused_by_client_cert_auth(tls_etcd: tuple[EtcdServer, dict[str, str]]) -> None:
+def test_https_endpoint_with_only_a_ca_is_refused_by_client_cert_auth(
+    tls_etcd: tuple[EtcdServer,
+    dict[str, str]],
+) -> None:
     server, conf = tls_etcd
     backend, _ = connect("https://" + server.endpoint, cacert=conf["cacert"], read_timeout="2")
     with pytest.raises(RendezvousConnectionError, match=server.endpoint):

@@ -80,7 +80,10 @@ def test_token_not_issued_by_this_backend_returns_current_state(backend: EtcdRen
     assert backend.set_state(b"s2", token) == (b"s1", current, False)
 
 
-def test_stale_token_after_the_state_vanished_returns_none(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+def test_stale_token_after_the_state_vanished_returns_none(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
     _, token, _ = backend.set_state(b"s1")
     client.delete(KEY.encode())
     assert backend.set_state(b"s2", token) is None
@@ -92,7 +95,11 @@ def test_stale_token_after_the_state_vanished_returns_none(backend: EtcdRendezvo
     [b"", b"not ours", _encode_state(b"payload")[:-1], _encode_state(b"payload").replace(b":", b";", 2)],
     ids=["empty", "foreign", "truncated", "bad-header"],
 )
-def test_corrupt_state_raises_state_error_naming_the_key(backend: EtcdRendezvousBackend, client: FakeEtcdClient, raw: bytes) -> None:
+def test_corrupt_state_raises_state_error_naming_the_key(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+    raw: bytes,
+) -> None:
     client.raw_put(KEY.encode(), raw)
     with pytest.raises(RendezvousStateError, match=KEY):
         backend.get_state()
@@ -106,13 +113,19 @@ def test_state_framing_round_trips_binary_payloads() -> None:
     assert _decode_state(_encode_state(b"")) == b""
 
 
-def test_connection_errors_reach_torch_as_rendezvous_connection_errors(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+def test_connection_errors_reach_torch_as_rendezvous_connection_errors(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
     client.fail_next(EtcdConnectionError("etcd get failed: no endpoint answered (tried fake:2379)"))
     with pytest.raises(RendezvousConnectionError, match="fake:2379"):
         backend.get_state()
 
 
-def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
     _, token, _ = backend.set_state(b"s1")
     lease = client.data[KEY.encode()].lease
     assert lease in client.leases
@@ -122,7 +135,10 @@ def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(bac
     assert client.data[KEY.encode()].lease == lease
 
 
-def test_state_expires_with_its_lease_when_nobody_writes(backend: EtcdRendezvousBackend, client: FakeEtcdClient) -> None:
+def test_state_expires_with_its_lease_when_nobody_writes(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
     backend.set_state(b"s1")
     client.clock.advance(TTL - 1)
     assert backend.get_state() is not None

@@ -108,6 +108,20 @@ def test_concurrent_adds_lose_no_increment(client: FakeEtcdClient) -> None:
     assert sorted(results) == list(range(1, 101))
 
 
+def test_add_applied_but_unanswered_is_not_added_twice(store: EtcdStore, client: FakeEtcdClient) -> None:
+    """The client retried a swap whose first attempt etcd applied: the retry's compare fails."""
+    assert store.add("n", 1) == 1
+    client.lose_next_reply = True
+    assert store.add("n", 5) == 6
+    assert store.get("n") == b"6"
+
+
+def test_add_markers_do_not_count_as_store_keys(store: EtcdStore) -> None:
+    store.add("n", 1)
+    store.add("n", 1)
+    assert store.num_keys() == 1
+
+
 def test_add_on_a_non_counter_is_an_error(store: EtcdStore) -> None:
     store.set("n", b"abc")
     with pytest.raises(EtcdStoreValueError, match="n holds"):
