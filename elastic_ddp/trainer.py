@@ -64,6 +64,8 @@ class TrainResult:
     data_digest: str
     reason: str = "done"
     """Why the run returned: done, preempted (this rank was asked to stop) or peer-lost (another was)."""
+    stop_source: str | None = None
+    """What asked this rank to stop (signal:SIGTERM, spot-notice), when it was asked."""
 
 
 def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
@@ -317,7 +319,8 @@ class Trainer:
             self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
         self.watchdog.enter("idle")
         result = TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
-                             model_digest="", data_digest=self.state.counters.data_digest, reason=reason)
+                             model_digest="", data_digest=self.state.counters.data_digest, reason=reason,
+                             stop_source=self.stop.reason)
         self.metrics.write({"event": "stop", **result.__dict__})
         return result
 

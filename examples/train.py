@@ -11,47 +11,26 @@ How to run:
 
 from __future__ import annotations
 
-import logging
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dataset import make_datasets
-from elastic_ddp.config import config_from_args
-from elastic_ddp.distributed import LaunchEnv, distributed
-from elastic_ddp.errors import ElasticDDPError
-from elastic_ddp.logs import setup_logging
-from elastic_ddp.resilience.consistency import DivergenceError
-from elastic_ddp.resilience.exits import log_exit, write_error_file
-from elastic_ddp.state import seed_rng_streams
-from elastic_ddp.trainer import Trainer
+from elastic_ddp.config import TrainConfig, config_from_args
+from elastic_ddp.entry import Built, run_training
+from faults import faulty_loss
 from model import build_model
 
-logger = logging.getLogger("elastic_ddp.examples.train")
+
+def build(config: TrainConfig) -> Built:
+    train_data, eval_data = make_datasets(config.data, config.model)
+    model = build_model(config.model)
+    return Built(model, train_data, eval_data, loss_fn=faulty_loss(model))
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_args(argv, prog="train.py")
-    env = LaunchEnv.from_env()
-    log = setup_logging(config.run_id or env.run_id, env.rank, config.log.level, config.log.dir, config.log.per_rank_files)
-    try:
-        with distributed(config.dist, env) as context:
-            seed_rng_streams(config.seed)  # identical initial weights on every rank
-            train_data, eval_data = make_datasets(config.data, config.model)
-            trainer = Trainer(config, context, build_model(config.model), train_data, eval_data=eval_data, log_context=log)
-            try:
-                result = trainer.run()
-            finally:
-                trainer.close()
-        return log_exit(result.reason)
-    except ElasticDDPError as exc:
-        reason = "divergence" if isinstance(exc, DivergenceError) else "error"
-        logger.error("%s", exc)
-        write_error_file(reason, str(exc))
-        return log_exit(reason)
-    finally:
-        log.close()
+    return run_training(config_from_args(argv, prog="train.py"), build)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
 logger = logging.getLogger(__name__)
@@ -67,3 +68,18 @@ def write_error_file(reason: str, message: str) -> None:
             json.dump(body, handle)
     except OSError as exc:  # the agent then shows <N/A>; the log line above still says why
         logger.warning("could not write the error file %s: %s", path, exc)
+
+
+def leave_job(stop_source: str | None) -> None:
+    """Make this node's torchrun agent leave the job after a spot notice, without ending the job.
+
+    An agent whose workers all exit 0 treats the job as finished and closes the rendezvous for
+    every node; an agent that dies of SIGTERM does not (torchrun keeps the rendezvous open then,
+    so the others can re-form). After a SIGTERM the agent already got its own; after a spot
+    notice, local rank 0 sends it, so the node leaves the way a terminated instance would.
+    """
+    if stop_source != "spot-notice" or os.environ.get("LOCAL_RANK") != "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    logger.info("leaving the job: sending SIGTERM to this node's torchrun agent (pid %d)", agent)
+    os.kill(agent, signal.SIGTERM)

@@ -1,0 +1,237 @@
+"""A local multi-node cluster: N simulated nodes, each a ``torchrun`` agent with its workers.
+
+Every node's agent runs in its own session, and torchrun starts each worker in a session of
+its own too; :meth:`Node.signal_node` signals the agent's process group and every worker's,
+so a node can be killed, stopped or preempted as a whole — agent, workers and their
+DataLoader processes together — the way a machine goes away. All
+nodes rendezvous on 127.0.0.1 through ``c10d`` or ``etcd-v3``. Nodes can be added and removed
+while the job runs. :meth:`LocalCluster.close` stops every process it started, by process
+group and pid, on every exit path (use it as a context manager; Ctrl-C included).
+
+The runtime never imports this package: chaos drives jobs only from the outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class JobSpec:
+    """What each node runs, and how the agents rendezvous."""
+
+    script: str
+    args: list[str]
+    nnodes: str = "1:2"
+    nproc_per_node: int = 2
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    run_id: str = "chaos"
+    max_restarts: int = 10
+    monitor_interval_s: float = 0.2
+    env: dict[str, str] = field(default_factory=dict)
+
+    def torchrun_command(self, extra_args: Sequence[str] = ()) -> list[str]:
+        conf = ",".join(f"{key}={value}" for key, value in self.rdzv_conf.items())
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
+            f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
+            f"--monitor-interval={self.monitor_interval_s}", "--local-addr", HOST,
+        ]
+        if conf:
+            command.append(f"--rdzv-conf={conf}")
+        return command + [self.script, *self.args, *extra_args]
+
+
+class Node:
+    """One simulated node: a torchrun agent in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.command = command
+        self.env = env
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.started_at = 0.0
+
+    def start(self) -> Node:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed by the child's exit; Popen dups it
+        try:
+            self.process = subprocess.Popen(
+                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        finally:
+            log.close()
+        self.started_at = time.monotonic()
+        logger.info("node %s started: agent pid %d", self.name, self.process.pid)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, f"node {self.name} was never started"
+        return self.process.pid
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal_agent(self, signum: int) -> None:
+        """Signal the agent alone (as an orchestrator's SIGTERM to the launcher would)."""
+        if self.running:
+            os.kill(self.pid, signum)
+
+    def signal_node(self, signum: int) -> None:
+        """Signal the agent and all its workers at once (a machine going away, freezing, resuming)."""
+        if self.process is None:
+            return
+        for group in [self.pid, *self.worker_pids()]:
+            try:
+                os.killpg(group, signum)
+            except ProcessLookupError:
+                pass
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the agent's worker processes (its children), read from /proc."""
+        return [pid for pid, parent in _process_parents().items() if parent == self.pid]
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """End the whole node: SIGTERM to the agent and workers, SIGKILL to all of them after ``grace_s``."""
+        if self.process is None:
+            return
+        workers = self.worker_pids()  # before the agent exits: orphaned workers cannot be found by parent
+        if self.process.poll() is None:
+            self.signal_node(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        for group in [self.pid, *workers]:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.wait(timeout=30)
+
+
+def _process_parents() -> dict[int, int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        # the command name is in parentheses and may contain spaces; the ppid follows the state field
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+class LocalCluster:
+    """Start, grow, shrink and stop a job of simulated nodes on this machine."""
+
+    def __init__(self, spec: JobSpec, workdir: Path) -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self.nodes: list[Node] = []
+        if not spec.rdzv_endpoint:
+            spec.rdzv_endpoint = f"{HOST}:{free_port()}"
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def node_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            # a fresh worker store per restart (elastic_ddp/rendezvous/RESTARTS.md)
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        )
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        env.update(self.spec.env)
+        return env
+
+    def add_node(self, extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Node:
+        """Start one more node (it joins at the next rendezvous round)."""
+        name = f"node{len(self.nodes)}"
+        node = Node(name, self.spec.torchrun_command(extra_args), {**self.node_env(), **(env or {})},
+                    self.workdir / f"{name}.log")
+        self.nodes.append(node.start())
+        return node
+
+    def start(self, count: int) -> LocalCluster:
+        for _ in range(count):
+            self.add_node()
+        return self
+
+    def wait_all(self, timeout: float) -> dict[str, int]:
+        """Wait until every node's agent exited; their exit statuses by node name."""
+        deadline = time.monotonic() + timeout
+        codes: dict[str, int] = {}
+        for node in self.nodes:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                codes[node.name] = node.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"node {node.name} still running after {timeout:.0f} s:\n{node.output()[-3000:]}") from None
+        return codes
+
+    def close(self) -> None:
+        """Stop every node this cluster started (agents and workers), whatever state they are in."""
+        for node in self.nodes:
+            node.signal_node(signal.SIGCONT)  # a stopped node cannot act on SIGTERM
+            node.stop()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy; raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,71 @@
+"""The runtime's entry point for a training script: logging, process group, trainer, exit status.
+
+A script builds its model and data and hands over::
+
+    @record
+    def main() -> int:
+        config = config_from_args(prog="train.py")
+        return run_training(config, build)      # build(config) -> Built(model, train_data, eval_data)
+
+The exit status follows :mod:`elastic_ddp.resilience.exits`, so torchrun's agent restarts,
+re-forms or finishes the job as the reason requires; runtime errors are one log line and an
+entry in the agent's failure summary, not a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from elastic_ddp.config import TrainConfig
+from elastic_ddp.distributed import LaunchEnv, distributed
+from elastic_ddp.errors import ElasticDDPError
+from elastic_ddp.logs import setup_logging
+from elastic_ddp.resilience.consistency import DivergenceError
+from elastic_ddp.resilience.exits import leave_job, log_exit, write_error_file
+from elastic_ddp.state import seed_rng_streams
+from elastic_ddp.trainer import LossFn, Trainer, per_sample_cross_entropy
+
+logger = logging.getLogger(__name__)
+
+BuildFn = Callable[[TrainConfig], "Built"]
+
+
+@dataclass
+class Built:
+    """What a training script provides: the model, its data, and optionally a per-sample loss."""
+
+    model: torch.nn.Module
+    train_data: Dataset
+    eval_data: Dataset | None = None
+    loss_fn: LossFn = per_sample_cross_entropy
+
+
+def run_training(config: TrainConfig, build: BuildFn) -> int:
+    """Train what ``build(config)`` returns; return the process exit status."""
+    env = LaunchEnv.from_env()
+    log = setup_logging(config.run_id or env.run_id, env.rank, config.log.level, config.log.dir, config.log.per_rank_files)
+    try:
+        with distributed(config.dist, env) as context:
+            seed_rng_streams(config.seed)  # identical initial weights on every rank
+            built = build(config)
+            trainer = Trainer(config, context, built.model, built.train_data, eval_data=built.eval_data,
+                              loss_fn=built.loss_fn, log_context=log)
+            try:
+                result = trainer.run()
+            finally:
+                trainer.close()
+        code = log_exit(result.reason, result.stop_source or "")
+        leave_job(result.stop_source)
+        return code
+    except ElasticDDPError as exc:
+        reason = "divergence" if isinstance(exc, DivergenceError) else "error"
+        logger.error("%s", exc)
+        write_error_file(reason, str(exc))
+        return log_exit(reason)
+    finally:
+        log.close()

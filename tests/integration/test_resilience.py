@@ -1,0 +1,206 @@
+"""Preemption, spot notices, hangs, crashes and divergence with real torchrun agents on gloo.
+
+Each test runs simulated nodes (torchrun agents in their own process groups, chaos.cluster)
+rendezvousing through c10d on 127.0.0.1, and checks what a user would: the job finishes,
+no step is redone, and the data consumed equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from chaos.cluster import JobSpec, LocalCluster, wait_for
+from tests.jobs import BASE_ARGS, TRAIN, inspect, train_ok
+
+pytestmark = pytest.mark.integration
+
+STEPS = 600
+RDZV_CONF = {"join_timeout": "60", "last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
+
+def job_args(workdir: Path, *extra: str) -> list[str]:
+    return [*BASE_ARGS, "--max-steps", str(STEPS), "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every", "50",
+            "--log-dir", str(workdir / "logs"), "--log-progress", "off", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run: its data digest is what every recovered run must reproduce."""
+    ckpt = tmp_path_factory.mktemp("reference") / "ckpt"
+    train_ok(["--max-steps", str(STEPS), "--checkpoint-dir", str(ckpt)], nproc=2)
+    return inspect(str(ckpt))
+
+
+def step_records(workdir: Path) -> list[dict]:
+    path = workdir / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
+
+
+def logged_steps(workdir: Path) -> list[int]:
+    return [r["step"] for r in step_records(workdir)]
+
+
+def wait_for_step(workdir: Path, step: int, world_size: int) -> int:
+    """Wait until a step >= ``step`` ran at ``world_size`` (all nodes joined); return the newest step."""
+    def reached() -> int | None:
+        records = step_records(workdir)
+        if records and records[-1]["world_size"] == world_size and records[-1]["step"] >= step:
+            return records[-1]["step"]
+        return None
+
+    return wait_for(reached, 180, f"step {step} at world size {world_size}")
+
+
+def make_cluster(workdir: Path, nnodes: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> LocalCluster:
+    spec = JobSpec(script=TRAIN, args=job_args(workdir, *extra), nnodes=nnodes, nproc_per_node=2,
+                   rdzv_conf=dict(RDZV_CONF), run_id=workdir.name, max_restarts=5, env=env or {})
+    return LocalCluster(spec, workdir)
+
+
+def check_no_step_redone_and_same_data(workdir: Path, reference: dict) -> None:
+    steps = logged_steps(workdir)
+    assert steps == sorted(steps) and len(steps) == len(set(steps)), "a step was logged twice: work was redone"
+    assert steps[-1] == STEPS
+    final = inspect(str(workdir / "ckpt"))
+    assert final["step"] == STEPS
+    assert final["data_digest"] == reference["data_digest"]
+
+
+def agreed_stop_step(output: str) -> int:
+    match = re.search(r"stop agreed at step (\d+)", output)
+    assert match, output[-3000:]
+    return int(match.group(1))
+
+
+def test_preempted_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
+    with make_cluster(tmp_path, "1:2") as cluster:
+        survivor, leaving = cluster.start(2).nodes
+        at_signal = wait_for_step(tmp_path, 80, world_size=4)
+        leaving.signal_agent(signal.SIGTERM)
+        leaving.wait(timeout=60)
+        assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
+        out = survivor.output()
+    stop = agreed_stop_step(out)
+    assert stop >= at_signal
+    assert f"emergency checkpoint of step {stop} committed" in out
+    assert "exit: reason=peer-lost status=75" in out
+    assert "exit: reason=preempted status=0" in leaving.output()
+    assert f"step-{stop:08d}: step {stop}," in out  # resumed from exactly the agreed step
+    check_no_step_redone_and_same_data(tmp_path, reference)
+
+
+class SpotMetadata(BaseHTTPRequestHandler):
+    """AWS's instance-action endpoint: 404 until a notice is issued, then 200 with the action."""
+
+    notice = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's API name
+        if self.notice.is_set() and self.path == "/latest/meta-data/spot/instance-action":
+            body = b'{"action": "terminate", "time": "2026-11-30T12:00:00Z"}'
+            self.send_response(200)
+        else:
+            body = b"Not Found"
+            self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_spot_notice_on_one_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SpotMetadata)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/latest/meta-data/spot/instance-action"
+    try:
+        with make_cluster(tmp_path, "1:2") as cluster:
+            survivor = cluster.add_node()
+            leaving = cluster.add_node(["--resilience-spot-notice-url", url, "--resilience-spot-poll-interval-s", "0.5"])
+            at_notice = wait_for_step(tmp_path, 80, world_size=4)
+            SpotMetadata.notice.set()
+            leaving.wait(timeout=60)
+            assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
+            out = survivor.output()
+    finally:
+        SpotMetadata.notice.clear()
+        server.shutdown()
+        server.server_close()
+    stop = agreed_stop_step(out)
+    assert stop >= at_notice
+    assert "spot interruption notice" in leaving.output()
+    assert "exit: reason=preempted status=0 (spot-notice)" in leaving.output()
+    assert f"step-{stop:08d}: step {stop}," in out
+    check_no_step_redone_and_same_data(tmp_path, reference)
+
+
+HANG_ARGS = ("--resilience-watchdog-timeout-s", "4", "--dist-collective-timeout-s", "60", "--log-per-rank-files")
+
+
+def test_stopped_worker_becomes_a_restart_with_stacks_in_the_log(tmp_path: Path, reference: dict) -> None:
+    with make_cluster(tmp_path, "1", HANG_ARGS) as cluster:
+        node = cluster.start(1).nodes[0]
+        wait_for_step(tmp_path, 60, world_size=2)
+        victim = wait_for(node.worker_pids, 30, "worker pids")[-1]
+        import os
+
+        os.kill(victim, signal.SIGSTOP)
+        assert node.wait(timeout=180) == 0, node.output()[-4000:]
+        out = node.output()
+    assert re.search(r"watchdog: no progress in phase '(collective|step|data)'", out)
+    assert "Current thread" in out or "Thread 0x" in out  # faulthandler's stack dump
+    assert re.search(r"exit: reason=hang:\w+ status=76", out)
+    assert "resumed from" in out
+    check_no_step_redone_after_checkpoint(tmp_path, reference)
+
+
+def check_no_step_redone_after_checkpoint(workdir: Path, reference: dict) -> None:
+    """After a crash or hang, steps since the last checkpoint are redone (by design); data stays exact."""
+    final = inspect(str(workdir / "ckpt"))
+    assert final["step"] == STEPS and final["data_digest"] == reference["data_digest"]
+
+
+def test_stopped_node_is_left_behind_after_the_heartbeat_timeout(tmp_path: Path, reference: dict) -> None:
+    with make_cluster(tmp_path, "1:2", HANG_ARGS) as cluster:
+        survivor, frozen = cluster.start(2).nodes
+        wait_for_step(tmp_path, 60, world_size=4)
+        frozen.signal_node(signal.SIGSTOP)
+        wait_for(lambda: re.search(r"resumed from .*now 2", survivor.output()), 120, "the survivor to re-form alone")
+        frozen.signal_node(signal.SIGKILL)
+        assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
+        out = survivor.output()
+    assert re.search(r"exit: reason=hang:\w+ status=76", out)
+    check_no_step_redone_after_checkpoint(tmp_path, reference)
+
+
+def test_crash_in_one_rank_restarts_and_the_summary_names_it(tmp_path: Path, reference: dict) -> None:
+    with make_cluster(tmp_path, "1", env={"ELASTIC_DDP_FAULT": "crash:1:70"}) as cluster:
+        node = cluster.start(1).nodes[0]
+        assert node.wait(timeout=240) == 0, node.output()[-4000:]
+        out = node.output()
+    assert "injected crash on rank 1" in out
+    # the agent names the failed worker before restarting the group
+    assert re.search(r"failed \(exitcode: 1\) local_rank: 1 \(pid: \d+\)", out), out[-4000:]
+    assert "resumed from" in out and "step 50," in out
+    check_no_step_redone_after_checkpoint(tmp_path, reference)
+
+
+def test_divergence_is_detected_naming_the_rank(tmp_path: Path) -> None:
+    args = ("--resilience-consistency-every", "10")
+    with make_cluster(tmp_path, "1", args, env={"ELASTIC_DDP_FAULT": "corrupt:1:65"}) as cluster:
+        node = cluster.start(1).nodes[0]
+        assert node.wait(timeout=240) == 0, node.output()[-4000:]
+        out = node.output()
+    assert "step 70: parameters of rank(s) 1 differ from the other ranks'" in out
+    assert "exit: reason=divergence status=77" in out
+    assert "resumed from" in out and "step 50," in out
