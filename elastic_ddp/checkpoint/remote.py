@@ -16,18 +16,20 @@ Without ``key``/``secret``, s3fs (botocore) reads the standard AWS environment:
 ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION`` (then ``~/.aws``). Options are never logged,
 and every credential found in them or in that environment is masked in error messages.
 
-Two options are fixed because the commit protocol needs them: ``use_listings_cache=False``
-(s3fs caches listings per filesystem object, and a reader must see the step directories
-other processes committed since) and ``skip_instance_cache=True`` (each storage gets a
-client of its own instead of one shared with unrelated code in the process). Asking for a
-listing cache is refused rather than ignored.
+One option is fixed because the commit protocol needs it: ``use_listings_cache=False``.
+s3fs caches listings per filesystem object, and a reader must see the step directories
+other processes committed since; asking for a listing cache is refused rather than ignored.
+fsspec's instance cache stays on: storages with the same options share one client (its
+connection pool), and fsspec drops its cached instances in a forked child.
 
 Retries and timeouts: this module adds none. botocore retries connection failures,
 timeouts and throttling (default: 5 attempts with backoff, about 6 s against an endpoint
 that is down; tune with ``config_kwargs`` as above) and s3fs retries a few transport
-errors on top. A create-only conflict (HTTP 412) is an answer, not a failure: nothing
-retries it. When the retries are spent, the operation raises ``CheckpointStorageError``
-naming the URI.
+errors on top (5 tries: ``S3FileSystem.retries``). An endpoint that accepts connections
+but never answers therefore holds an operation for up to 5 x attempts x ``read_timeout``
+(botocore's default is 60 s): set ``read_timeout`` for the size of your files. A create-only
+conflict (HTTP 412) is an answer, not a failure: nothing retries it. When the retries are
+spent, the operation raises ``CheckpointStorageError`` naming the URI.
 
 Semantics match :class:`~elastic_ddp.checkpoint.storage.LocalStorage`:
 
@@ -59,7 +61,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import fsspec
-from fsspec.core import split_protocol
+from fsspec.core import split_protocol, strip_protocol
 
 from elastic_ddp.checkpoint.storage import Checksum, CheckpointStorageError, FileRecord, basename
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
@@ -67,7 +69,7 @@ from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 logger = logging.getLogger(__name__)
 
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
-_FIXED_OPTIONS = {"use_listings_cache": False, "skip_instance_cache": True}
+_FIXED_OPTIONS = {"use_listings_cache": False}
 _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _CREDENTIAL_OPTION = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
 _MASK = "***"
@@ -107,7 +109,11 @@ class FsspecStorage:
             raise CheckpointError(self._redact(f"cannot open {self.root} with these storage options: {exc}")) from exc
 
     def join(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
+        """Like ``os.path.join`` for local paths: a part that is a whole URI starts the path over."""
+        path = self.root
+        for part in parts:
+            path = part if "://" in part else posixpath.join(path, part)
+        return path
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         with self._errors("write", path):
@@ -168,7 +174,7 @@ class FsspecStorage:
                 entries = self._fs.ls(path, detail=False)
             except FileNotFoundError:
                 return []
-        itself = self._fs._strip_protocol(path).rstrip("/")
+        itself = strip_protocol(path).rstrip("/")
         return sorted({basename(entry) for entry in entries if entry.rstrip("/") != itself})
 
     def exists(self, path: str) -> bool:
@@ -204,6 +210,8 @@ class FsspecStorage:
         try:
             yield
         except FileNotFoundError as exc:
+            if action in ("write", "create"):  # S3 NoSuchBucket: nothing can be written there
+                raise CheckpointStorageError(self._redact(f"cannot {action} {path}: {exc}")) from exc
             raise CheckpointError(f"{path} does not exist") from exc
         except self._failures as exc:
             raise CheckpointStorageError(self._redact(
