@@ -7,6 +7,10 @@ Both loops train the same MLP on the same data with AdamW, LR schedule and clipp
 checkpointing off. Rounds alternate plain / trainer so drift of the machine hits both; each
 round's per-step time is its wall time over its steps (loader start-up included for both).
 Prints both medians, the ratio, and the trainer's data-wait share of a step.
+
+It also isolates the two per-step costs of the resilience layer (both are inside the trainer's
+figure already): the stop-flag agreement (one all-reduce of two int32 per step) and the
+watchdog's phase marks (five per step), each as a fraction of the plain loop's step.
 """
 
 from __future__ import annotations
@@ -79,6 +83,31 @@ def trainer_loop(config, context, model, data, steps: int, log_dir: str) -> tupl
     return elapsed, summary
 
 
+def resilience_costs(context, repeats: int = 2000) -> tuple[float, float]:
+    """Seconds per step of the stop-flag all-reduce and of the watchdog's five phase marks."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+
+    flags = torch.zeros(2, dtype=torch.int32)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        flags.zero_()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bool(flags[0])
+    agreement = (time.perf_counter() - started) / repeats
+    watchdog = Watchdog({"step": PhaseLimit(300, "hang")}).start()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for phase in ("data", "step", "collective", "step", "data"):
+            watchdog.enter(phase)
+    marks = (time.perf_counter() - started) / repeats
+    watchdog.close()
+    return agreement, marks
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -101,6 +130,7 @@ def worker(args: argparse.Namespace) -> None:
                 ours.append(t_ours / args.steps)
                 if summary:
                     wait_share.append(summary["data_wait_s"] / summary["step_time_s"])
+        agreement, marks = resilience_costs(context)
         if context.is_main:
             p, o = statistics.median(plain), statistics.median(ours)
             print(f"rounds={args.rounds} steps/round={args.steps} ranks={context.world_size} backend={context.backend}")
@@ -108,6 +138,9 @@ def worker(args: argparse.Namespace) -> None:
             print(f"elastic_ddp      median step {1e3 * o:8.2f} ms   (all: {', '.join(f'{1e3 * x:.1f}' for x in ours)})")
             print(f"ratio trainer/plain: {o / p:.3f}   (target <= 1.03)")
             print(f"trainer data-wait share of step time: median {100 * statistics.median(wait_share):.2f}%   (target < 5%)")
+            print(f"stop-flag agreement: {1e6 * agreement:.0f} us/step = {100 * agreement / p:.2f}% of a plain step")
+            print(f"watchdog phase marks: {1e6 * marks:.1f} us/step = {100 * marks / p:.3f}% of a plain step")
+            print(f"together: {100 * (agreement + marks) / p:.2f}%   (target <= 1%)")
 
 
 def main() -> None:

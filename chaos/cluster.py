@@ -149,6 +149,14 @@ class Node:
             self.process.wait(timeout=30)
 
 
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _process_parents() -> dict[int, int]:
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -194,11 +202,20 @@ class LocalCluster:
         return env
 
     def add_node(self, extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Node:
-        """Start one more node (it joins at the next rendezvous round)."""
+        """Start one more node (it joins at the next rendezvous round).
+
+        With ``c10d`` the rendezvous store lives in the agent that binds the endpoint first, and
+        dies with it. The first node is therefore started alone and given the store before any
+        other starts, so "node0 hosts the store" holds in every run (never preempt node0 under
+        c10d; ``etcd-v3`` has no such node).
+        """
         name = f"node{len(self.nodes)}"
         node = Node(name, self.spec.torchrun_command(extra_args), {**self.node_env(), **(env or {})},
                     self.workdir / f"{name}.log")
         self.nodes.append(node.start())
+        if self.spec.rdzv_backend == "c10d" and len(self.nodes) == 1:
+            host, port = self.spec.rdzv_endpoint.rsplit(":", 1)
+            wait_for(lambda: _accepts(host, int(port)) or not node.running, 120, f"node0 to host the c10d store on {host}:{port}")
         return node
 
     def start(self, count: int) -> LocalCluster:

@@ -7,13 +7,20 @@
   elastic-ddp ckpt gc URI [--keep K] [--dry-run]        apply retention: keep the newest K committed,
                                                         remove stale unfinished writes
 
+  elastic-ddp launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] -- SCRIPT ARGS...
+                                           a local elastic run on this machine (embedded etcd)
+  elastic-ddp demo                         the recovery demo: kill a worker, preempt a node, report
+
 URI is a checkpoint root (``--checkpoint-dir`` of a run) or one ``step-N`` directory in it.
+``launch`` and ``demo`` hand over to the ``chaos`` package (``python -m chaos``), which drives
+jobs from the outside; the runtime itself never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -167,6 +174,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def hand_over_to_chaos(command: str, args: Sequence[str]) -> int:
+    """Replace this process with ``python -m chaos COMMAND ARGS`` (same interpreter, same signals)."""
+    argv = [sys.executable, "-m", "chaos", command, *args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+    return 1  # not reached: execv only returns by raising
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -193,10 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep (default: 3)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     gc.set_defaults(func=cmd_gc)
+    launch = commands.add_parser("launch", add_help=False,
+                                 help="a local elastic run: --nodes MIN:MAX --nproc-per-node N [--etcd HOST:PORT] -- SCRIPT ARGS")
+    launch.set_defaults(func=None, chaos_command="launch")
+    demo = commands.add_parser("demo", add_help=False, help="recovery demo: 2 local nodes, a worker killed, a node preempted")
+    demo.set_defaults(func=None, chaos_command="demo")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("launch", "demo"):
+        return hand_over_to_chaos(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,95 @@
+"""How fast a preemption is absorbed: SIGTERM → emergency checkpoint committed → survivors' first step.
+
+How to run:
+  .venv/bin/python benchmarks/preemption.py [--repeats 5] [--backend c10d|etcd-v3]
+
+Each repeat starts 2 simulated nodes x 2 workers (chaos.cluster, --nnodes=1:2, rendezvous with
+last_call_timeout=1 and a 1 s x 3 heartbeat), waits until all 4 ranks train, sends SIGTERM to
+the second node's agent, and reads from the survivor's log and metrics.jsonl:
+  commit:  SIGTERM -> "emergency checkpoint of step N committed" (rank 0's log time)
+  resume:  SIGTERM -> the first step the survivors completed after re-forming
+Prints the medians (and every sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from chaos.cluster import JobSpec, LocalCluster, wait_for  # noqa: E402
+
+TRAIN = str(REPO / "examples" / "train.py")
+CONF = {"join_timeout": "60", "last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
+
+def log_time(line: str) -> float:
+    stamp = line[:23]
+    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def records(workdir: Path) -> list[dict]:
+    path = workdir / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
+
+
+def one_run(workdir: Path, backend: str, endpoint: str) -> tuple[float, float]:
+    args = ["--max-steps", "100000", "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every", "100",
+            "--log-dir", str(workdir / "logs"), "--log-every", "1", "--log-progress", "off"]
+    spec = JobSpec(script=TRAIN, args=args, nnodes="1:2", rdzv_backend=backend, rdzv_endpoint=endpoint,
+                   rdzv_conf=dict(CONF), run_id=workdir.name, max_restarts=3)
+    with LocalCluster(spec, workdir) as cluster:
+        survivor, leaving = cluster.start(2).nodes
+        wait_for(lambda: (r := records(workdir)) and r[-1]["world_size"] == 4 and r[-1]["step"] >= 40, 180, "4 ranks training")
+        sent = time.time()
+        leaving.signal_agent(signal.SIGTERM)
+        resumed = wait_for(lambda: next((r for r in records(workdir) if r["time"] > sent and r["world_size"] == 2), None),
+                           180, "the survivors' first step")
+        match = re.search(r"^(.*) INFO .*emergency checkpoint of step \d+ committed", survivor.output(), re.M)
+        assert match, survivor.output()[-3000:]
+        return log_time(match.group(0)) - sent, resumed["time"] - sent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backend", default="c10d", choices=["c10d", "etcd-v3"])
+    args = parser.parse_args()
+    commits, resumes = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        etcd = None
+        endpoint = ""
+        if args.backend == "etcd-v3":
+            from tests.fixtures.etcd_proc import EtcdServer, find_etcd_binary
+
+            etcd = EtcdServer.create(find_etcd_binary(), Path(tmp) / "etcd")
+            etcd.start()
+            endpoint = etcd.endpoint
+        try:
+            for index in range(args.repeats):
+                commit, resume = one_run(Path(tmp) / f"run{index}", args.backend, endpoint)
+                commits.append(commit)
+                resumes.append(resume)
+                print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s", flush=True)
+        finally:
+            if etcd is not None:
+                etcd.stop()
+    print(f"backend={args.backend} repeats={args.repeats}")
+    print(f"SIGTERM -> emergency checkpoint committed: median {statistics.median(commits):.2f} s")
+    print(f"SIGTERM -> survivors' first step:          median {statistics.median(resumes):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
