@@ -1,0 +1,140 @@
+"""Stop requests, the spot-notice poller, the watchdog and the consistency digest, without torchrun."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from elastic_ddp.resilience.consistency import disagreeing_ranks, parameter_digest
+from elastic_ddp.resilience.exits import EXIT_CODES, exit_code
+from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
+
+
+def test_sigterm_becomes_a_stop_request_and_a_second_one_acts_as_usual() -> None:
+    script = (
+        "import os, signal, time\n"
+        "from elastic_ddp.resilience.stop import StopRequests\n"
+        "stop = StopRequests(); stop.install_signal_handlers()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('reason', stop.reason, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "reason signal:SIGTERM" in result.stdout
+    assert result.returncode == -signal.SIGTERM
+
+
+def test_first_reason_wins() -> None:
+    stop = StopRequests()
+    stop.request("spot-notice")
+    stop.request("signal:SIGTERM")
+    assert stop.requested and stop.reason == "spot-notice"
+
+
+class Metadata(BaseHTTPRequestHandler):
+    status = 404
+    body = b""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's API name
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def metadata_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/notice"
+    server.shutdown()
+    server.server_close()
+    Metadata.status, Metadata.body = 404, b""
+
+
+@pytest.mark.parametrize(("status", "body", "notice"), [
+    (404, b"Not Found", False), (200, b"FALSE", False), (500, b"oops", False),
+    (200, b'{"action": "terminate"}', True), (200, b"TRUE", True),
+])
+def test_poller_reads_aws_and_gcp_answers(metadata_url: str, status: int, body: bytes, notice: bool) -> None:
+    Metadata.status, Metadata.body = status, body
+    poller = SpotNoticePoller(metadata_url, 1.0, StopRequests())
+    assert bool(poller.check()) is notice
+
+
+def test_poller_raises_the_stop_flag_when_a_notice_appears(metadata_url: str) -> None:
+    stop = StopRequests()
+    poller = SpotNoticePoller(metadata_url, 0.05, stop).start()
+    try:
+        assert not stop.requested
+        Metadata.status, Metadata.body = 200, b'{"action": "stop"}'
+        poller._thread.join(timeout=10)
+        assert stop.reason == "spot-notice"
+    finally:
+        poller.close()
+
+
+def test_unreachable_metadata_endpoint_is_not_a_notice() -> None:
+    poller = SpotNoticePoller("http://127.0.0.1:9/none", 0.5, StopRequests())
+    assert poller.check() is None
+
+
+def test_watchdog_dumps_stacks_and_exits_with_the_hang_status() -> None:
+    script = (
+        "import time\n"
+        "from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog\n"
+        "dog = Watchdog({'collective': PhaseLimit(0.5, 'hang')}, poll_s=0.05).start()\n"
+        "dog.enter('collective')\n"
+        "time.sleep(30)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == EXIT_CODES["hang"]
+    assert "no progress in phase 'collective'" in result.stderr
+    assert "Thread 0x" in result.stderr or "Current thread" in result.stderr
+
+
+def test_watchdog_leaves_a_progressing_process_alone() -> None:
+    from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+
+    dog = Watchdog({"step": PhaseLimit(0.3, "hang")}, poll_s=0.02).start()
+    try:
+        for _ in range(40):
+            dog.enter("step")
+            threading.Event().wait(0.02)
+        dog.enter("idle")  # no limit: may last forever
+        threading.Event().wait(0.5)
+    finally:
+        dog.close()
+
+
+def test_exit_codes_distinguish_restart_reasons() -> None:
+    assert exit_code("done") == exit_code("preempted") == 0
+    assert exit_code("hang:collective") == 76
+    assert len({exit_code(r) for r in ("peer-lost", "hang", "divergence", "save-deadline", "error")}) == 5
+
+
+def test_parameter_digest_sees_a_single_bit() -> None:
+    model = torch.nn.Linear(8, 4)
+    before = parameter_digest(model)
+    with torch.no_grad():
+        bits = model.weight.view(-1).view(torch.int32)
+        bits[5] ^= 1
+    assert parameter_digest(model) != before
+
+
+def test_disagreeing_ranks_are_those_outside_the_majority() -> None:
+    assert disagreeing_ranks([7, 7, 9, 7]) == [2]
+    assert disagreeing_ranks([7, 7, 7]) == []
+    assert disagreeing_ranks([1, 2]) == [1]  # a tie: rank 0's digest wins
