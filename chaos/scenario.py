@@ -1,0 +1,473 @@
+"""Chaos scenarios: a job, the cluster it runs on, and a schedule of faults, read from TOML.
+
+A scenario file (see ``chaos/scenarios/*.toml``)::
+
+    name = "kill-worker"
+    description = "SIGKILL rank 1 at step 60; the agents restart the group from the last checkpoint"
+    seed = 7                      # random targets are drawn from this seed
+    timeout_s = 300               # the whole run, services and reference excluded
+
+    [job]
+    script = "examples/train.py"  # relative to the repository root, or absolute
+    args = ["--optim-decay-steps", "40"]
+    max_steps = 300
+    checkpoint_every = 20
+
+    [cluster]
+    nodes = "1:2"                 # torchrun --nnodes (min:max)
+    start_nodes = 2
+    nproc_per_node = 1
+    rdzv_backend = "etcd-v3"      # or "c10d"
+    etcd = "embedded"             # "none", "embedded" (one member) or "cluster" (three members)
+    checkpoint = "local"          # or "s3" (an embedded S3 endpoint behind a fault proxy)
+
+    [[faults]]
+    kind = "kill-worker"
+    at_step = 60                  # and/or at_s = 12.5, and/or during_save = true
+    target = "rank:1"             # "rank:N", "node:N", "random" or "newest", as the kind allows
+
+:func:`load_scenario` parses and validates; every problem found is reported at once, each
+naming its key (``faults[2].target: ...``). The runner owns some flags of the job
+(:data:`RUNNER_FLAGS`): a scenario that sets one is refused rather than silently overridden.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project declares tomli for Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+
+RUNNER_FLAGS = ("--max-steps", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-keep", "--log-dir",
+                "--log-every", "--log-progress", "--checkpoint-storage-options", "--run-id")
+"""Flags the runner sets for every job (from ``[job]`` keys or its own work directory)."""
+
+RDZV_CONF = {"join_timeout": "60", "last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+"""Rendezvous settings of every job: a dead node is noticed after 3 s, a round closes 1 s after
+the minimum is reached (as in the integration tests)."""
+
+ETCD_CONF = {**RDZV_CONF, "read_timeout": "30"}
+"""``etcd-v3`` adds ``read_timeout``: one etcd call rides out an outage this long."""
+
+
+class ChaosError(Exception):
+    """Base of every error the chaos package raises."""
+
+
+class ScenarioError(ChaosError):
+    """A scenario file is missing, unreadable or invalid; the message lists every problem by key."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultKind:
+    """What a fault kind needs from its scenario."""
+
+    targets: tuple[str, ...]
+    """Target forms it accepts (``rank``, ``node``, ``random``, ``newest``); empty: it takes none."""
+    needs_duration: bool = False
+    """It undoes itself after ``duration_s`` seconds, which must then be > 0."""
+    needs: str = ""
+    """What the cluster must provide: ``etcd``, ``etcd-cluster`` or ``s3``."""
+
+
+WORKER_TARGETS = ("rank", "random")
+NODE_TARGETS = ("node", "random", "newest")
+
+FAULT_KINDS: dict[str, FaultKind] = {
+    "kill-worker": FaultKind(targets=WORKER_TARGETS),
+    "crash-worker": FaultKind(targets=("rank",)),
+    "kill-node": FaultKind(targets=NODE_TARGETS),
+    "preempt-node": FaultKind(targets=NODE_TARGETS),
+    "spot-notice": FaultKind(targets=NODE_TARGETS),
+    "hang-worker": FaultKind(targets=WORKER_TARGETS),
+    "hang-node": FaultKind(targets=NODE_TARGETS),
+    "add-node": FaultKind(targets=()),
+    "remove-node": FaultKind(targets=NODE_TARGETS),
+    "restart-etcd": FaultKind(targets=(), needs_duration=True, needs="etcd"),
+    "kill-etcd-leader": FaultKind(targets=(), needs="etcd-cluster"),
+    "storage-outage": FaultKind(targets=(), needs_duration=True, needs="s3"),
+    "slow-storage": FaultKind(targets=(), needs_duration=True, needs="s3"),
+    "corrupt-checkpoint": FaultKind(targets=()),
+    "kill-during-save": FaultKind(targets=NODE_TARGETS),
+}
+"""Every fault a scenario may schedule (implemented in :mod:`chaos.faults`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trigger:
+    """When a fault fires: once every condition given holds."""
+
+    at_s: float | None = None
+    """Seconds after the first node started."""
+    at_step: int | None = None
+    """The job logged this step (or a later one)."""
+    during_save: bool = False
+    """Then, during the next checkpoint save: a new ``step-*`` directory without a manifest appeared."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Whom a fault hits: ``rank:N`` (a worker by global rank), ``node:N`` (the N-th node started),
+    ``random`` (drawn with the scenario's seed among running ones) or ``newest`` (the newest running node)."""
+
+    form: str = ""
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.form}:{self.index}" if self.form in ("rank", "node") else self.form or "-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One scheduled fault."""
+
+    kind: str
+    trigger: Trigger
+    target: Target = field(default_factory=Target)
+    duration_s: float = 0.0
+    """hang-*: SIGCONT after this long (0: stays stopped); restart-etcd, storage-outage, slow-storage:
+    how long the service is away or slow; kill-etcd-leader: restart the member after this long (0: never)."""
+    delay_s: float = 0.2
+    """slow-storage: seconds added to every chunk a client sends."""
+    grace_s: float = 30.0
+    """preempt-node, remove-node, spot-notice: SIGKILL the node if it still runs this long after the notice."""
+    mode: str = "flip"
+    """corrupt-checkpoint: ``flip`` one byte or ``truncate`` a data file of the newest committed checkpoint."""
+    label: str = ""
+    """A name for reports; defaults to the kind and its position."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """What every node runs."""
+
+    script: str
+    """Absolute path of the training script."""
+    args: tuple[str, ...] = ()
+    """Its arguments, without the flags in :data:`RUNNER_FLAGS`."""
+    max_steps: int
+    checkpoint_every: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The simulated cluster and the services it relies on."""
+
+    nodes: str
+    """``torchrun --nnodes``: ``MIN:MAX`` or ``N``."""
+    start_nodes: int
+    nproc_per_node: int = 1
+    rdzv_backend: str = "etcd-v3"
+    etcd: str = "embedded"
+    """``none``, ``embedded`` (one member) or ``cluster`` (three members)."""
+    checkpoint: str = "local"
+    """``local`` (a directory in the run's work directory) or ``s3`` (embedded endpoint)."""
+    max_restarts: int = 30
+    """``torchrun --max-restarts``: every failure, join and departure consumes one."""
+
+    @property
+    def min_nodes(self) -> int:
+        return int(self.nodes.split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nodes.split(":")[-1])
+
+    @property
+    def start_world_size(self) -> int:
+        return self.start_nodes * self.nproc_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """A validated scenario."""
+
+    name: str
+    description: str = ""
+    seed: int = 0
+    timeout_s: float = 300.0
+    """Deadline for the job, from the first node's start to the last node's exit."""
+    job: JobConfig
+    cluster: ClusterConfig
+    faults: tuple[FaultSpec, ...] = ()
+    path: str = ""
+
+
+# -- lookup and loading ------------------------------------------------------------
+
+
+def scenario_names() -> list[str]:
+    """Names of the scenarios in the library (``chaos/scenarios``)."""
+    return sorted(path.stem for path in SCENARIO_DIR.glob("*.toml"))
+
+
+def resolve(name_or_path: str) -> Path:
+    """A scenario file: an existing path, or a name from the library."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    named = SCENARIO_DIR / f"{name_or_path}.toml"
+    if named.is_file():
+        return named
+    raise ScenarioError(f"no scenario {name_or_path!r}: not a file, and not one of {', '.join(scenario_names())}")
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """Read, parse and validate a scenario file (a path or a library name)."""
+    path = resolve(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"{path}: {exc}") from exc
+    return parse_scenario(data, str(path))
+
+
+def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
+    """Validate a parsed TOML document; raise ScenarioError listing every problem by key."""
+    problems: list[str] = []
+    reader = _Reader(data, "", problems)
+    name = reader.string("name", required=True)
+    description = reader.string("description")
+    seed = reader.integer("seed", default=0)
+    timeout_s = reader.number("timeout_s", default=300.0, minimum=1.0)
+    job = _parse_job(reader.table("job"), problems)
+    cluster = _parse_cluster(reader.table("cluster"), problems)
+    faults = tuple(_parse_fault(item, index, problems) for index, item in enumerate(reader.tables("faults")))
+    reader.reject_unknown()
+    if not problems:
+        problems += fault_problems(faults, cluster)
+    if problems:
+        raise ScenarioError(f"{where}: invalid scenario:\n  " + "\n  ".join(problems))
+    return Scenario(name=name, description=description, seed=seed, timeout_s=timeout_s, job=job,
+                    cluster=cluster, faults=faults, path=where)
+
+
+def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:
+    script = reader.string("script", required=True)
+    args = tuple(reader.strings("args"))
+    for arg in args:
+        if arg.split("=", 1)[0] in RUNNER_FLAGS:
+            problems.append(f"job.args: {arg.split('=', 1)[0]} is set by the runner (use job.max_steps, "
+                            "job.checkpoint_every or the cluster table)")
+    path = Path(script) if Path(script).is_absolute() else REPO / script
+    if script and not path.is_file():
+        problems.append(f"job.script: {script!r} is not a file (relative paths start at {REPO})")
+    job = JobConfig(script=str(path), args=args, max_steps=reader.integer("max_steps", required=True, minimum=1),
+                    checkpoint_every=reader.integer("checkpoint_every", required=True, minimum=1))
+    reader.reject_unknown()
+    return job
+
+
+def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
+    nodes = reader.string("nodes", required=True)
+    low, high = _node_range(nodes)
+    if low is None:
+        problems.append(f"cluster.nodes: {nodes!r} is not MIN:MAX or N with 1 <= MIN <= MAX")
+        low = high = 1
+    cluster = ClusterConfig(
+        nodes=nodes,
+        start_nodes=reader.integer("start_nodes", required=True, minimum=1),
+        nproc_per_node=reader.integer("nproc_per_node", default=1, minimum=1),
+        rdzv_backend=reader.choice("rdzv_backend", ("etcd-v3", "c10d"), "etcd-v3"),
+        etcd=reader.choice("etcd", ("none", "embedded", "cluster"), "embedded"),
+        checkpoint=reader.choice("checkpoint", ("local", "s3"), "local"),
+        max_restarts=reader.integer("max_restarts", default=30, minimum=0),
+    )
+    reader.reject_unknown()
+    if not low <= cluster.start_nodes <= high:
+        problems.append(f"cluster.start_nodes: {cluster.start_nodes} is outside nodes {nodes!r}")
+    if cluster.rdzv_backend == "etcd-v3" and cluster.etcd == "none":
+        problems.append("cluster.etcd: rdzv_backend 'etcd-v3' needs etcd = 'embedded' or 'cluster'")
+    return cluster
+
+
+def _node_range(text: str) -> tuple[int | None, int]:
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(part.isdigit() for part in parts):
+        return None, 0
+    low, high = int(parts[0]), int(parts[-1])
+    return (low, high) if 1 <= low <= high else (None, 0)
+
+
+def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
+    kind = reader.choice("kind", tuple(FAULT_KINDS), "", required=True)
+    trigger = Trigger(
+        at_s=reader.number("at_s", minimum=0.0),
+        at_step=reader.integer("at_step", minimum=1),
+        during_save=reader.boolean("during_save", default=kind == "kill-during-save"),
+    )
+    spec = FaultSpec(
+        kind=kind,
+        trigger=trigger,
+        target=_parse_target(reader, FAULT_KINDS[kind].targets if kind else ()),
+        duration_s=reader.number("duration_s", default=0.0, minimum=0.0),
+        delay_s=reader.number("delay_s", default=0.2, minimum=0.001),
+        grace_s=reader.number("grace_s", default=30.0, minimum=0.0),
+        mode=reader.choice("mode", ("flip", "truncate"), "flip"),
+        label=reader.string("label") or f"{index}:{kind}",
+    )
+    reader.reject_unknown()
+    if kind and trigger.at_s is None and trigger.at_step is None and not trigger.during_save:
+        problems.append(f"faults[{index}]: give at least one trigger (at_s, at_step or during_save)")
+    return spec
+
+
+def _parse_target(reader: _Reader, allowed: tuple[str, ...]) -> Target:
+    text = reader.string("target")
+    if not text:
+        if allowed and allowed != ("rank",):
+            return Target(form="random" if "random" in allowed else allowed[0])
+        if allowed:
+            reader.problem("target", "is required (rank:N)")
+        return Target()
+    if not allowed:
+        reader.problem("target", "this fault kind takes no target")
+        return Target()
+    form, _, number = text.partition(":")
+    if form not in allowed or (form in ("rank", "node")) != number.isdigit():
+        forms = ", ".join(f"{name}:N" if name in ("rank", "node") else name for name in allowed)
+        reader.problem("target", f"{text!r} is not one of {forms}")
+        return Target()
+    return Target(form=form, index=int(number) if number else 0)
+
+
+def fault_problems(faults: tuple[FaultSpec, ...], cluster: ClusterConfig) -> list[str]:
+    """Faults that the cluster cannot host, or that need a trigger or duration they lack."""
+    problems = []
+    for index, fault in enumerate(faults):
+        kind = FAULT_KINDS[fault.kind]
+        key = f"faults[{index}] ({fault.kind})"
+        if kind.needs_duration and fault.duration_s <= 0:
+            problems.append(f"{key}.duration_s: must be > 0")
+        if kind.needs == "etcd" and cluster.rdzv_backend != "etcd-v3":
+            problems.append(f"{key}: needs cluster.rdzv_backend = 'etcd-v3'")
+        if kind.needs == "etcd-cluster" and (cluster.etcd != "cluster" or cluster.rdzv_backend != "etcd-v3"):
+            problems.append(f"{key}: needs cluster.etcd = 'cluster' and rdzv_backend = 'etcd-v3'")
+        if kind.needs == "s3" and cluster.checkpoint != "s3":
+            problems.append(f"{key}: needs cluster.checkpoint = 's3'")
+        if fault.kind == "crash-worker" and (fault.trigger.at_step is None or fault.trigger.at_s is not None
+                                             or fault.trigger.during_save):
+            problems.append(f"{key}.at_step: crash-worker fires inside the job (ELASTIC_DDP_FAULT) at a step of "
+                            "its first launch: give at_step alone")
+        if fault.kind == "kill-during-save" and not fault.trigger.during_save:
+            problems.append(f"{key}.during_save: kill-during-save always waits for a save; leave it true")
+        if fault.target.form == "node" and fault.target.index >= cluster.start_nodes + _added(faults):
+            problems.append(f"{key}.target: node:{fault.target.index} is never started "
+                            f"({cluster.start_nodes} start, {_added(faults)} added)")
+    return problems
+
+
+def _added(faults: tuple[FaultSpec, ...]) -> int:
+    return sum(fault.kind == "add-node" for fault in faults)
+
+
+# -- a typed reader over one TOML table that collects problems -------------------------
+
+
+class _Reader:
+    """Typed access to one TOML table; each problem is recorded with its full key."""
+
+    def __init__(self, data: Any, prefix: str, problems: list[str]) -> None:
+        self.data = data if isinstance(data, dict) else {}
+        self.prefix = prefix
+        self.problems = problems
+        self.seen: set[str] = set()
+        if not isinstance(data, dict):
+            problems.append(f"{prefix.rstrip('.') or 'scenario'}: must be a table")
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    def problem(self, name: str, message: str) -> None:
+        self.problems.append(f"{self.key(name)}: {message}")
+
+    def _get(self, name: str, required: bool) -> Any:
+        self.seen.add(name)
+        if name not in self.data:
+            if required:
+                self.problem(name, "is required")
+            return None
+        return self.data[name]
+
+    def string(self, name: str, required: bool = False) -> str:
+        value = self._get(name, required)
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            self.problem(name, f"must be a string, got {value!r}")
+            return ""
+        return value
+
+    def strings(self, name: str) -> list[str]:
+        value = self._get(name, False)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            self.problem(name, "must be a list of strings")
+            return []
+        return value
+
+    def integer(self, name: str, default: int | None = None, required: bool = False,
+                minimum: int | None = None) -> Any:
+        value = self._get(name, required)
+        if value is None:
+            return default if default is not None or not required else 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problem(name, f"must be an integer, got {value!r}")
+            return default or 0
+        if minimum is not None and value < minimum:
+            self.problem(name, f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, name: str, default: float | None = None, minimum: float | None = None) -> Any:
+        value = self._get(name, False)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.problem(name, f"must be a number, got {value!r}")
+            return default
+        if minimum is not None and value < minimum:
+            self.problem(name, f"must be >= {minimum}, got {value}")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._get(name, False)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.problem(name, f"must be true or false, got {value!r}")
+            return default
+        return value
+
+    def choice(self, name: str, allowed: tuple[str, ...], default: str, required: bool = False) -> str:
+        value = self.string(name, required)
+        if not value:
+            return default
+        if value not in allowed:
+            self.problem(name, f"{value!r} is not one of {', '.join(allowed)}")
+            return default
+        return value
+
+    def table(self, name: str) -> _Reader:
+        return _Reader(self._get(name, True) or {}, f"{self.prefix}{name}.", self.problems)
+
+    def tables(self, name: str) -> list[_Reader]:
+        value = self._get(name, False)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            self.problem(name, "must be an array of tables ([[faults]])")
+            return []
+        return [_Reader(item, f"{self.prefix}{name}[{index}].", self.problems) for index, item in enumerate(value)]
+
+    def reject_unknown(self) -> None:
+        for name in sorted(set(self.data) - self.seen):
+            self.problem(name, "unknown key")

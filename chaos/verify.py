@@ -1,0 +1,600 @@
+"""Did the job lose anything? Facts from a chaos run, a clean reference run, and pure checks over them.
+
+The runner collects facts at its edges (node logs, rank 0's ``metrics.jsonl``, the commits it
+watched, the final checkpoint); everything between is a pure function of those facts:
+
+- :func:`parse_log` turns a node's log into :class:`LogEvent` s (the runtime's lines and the
+  torchrun agent's);
+- :func:`run_checks` returns one :class:`Check` per property, each named, each failure message
+  naming the step (or node, or line) it is about;
+- :func:`fault_metrics` and :func:`goodput` measure recovery.
+
+The reference is the same job under ``torchrun --standalone`` at the scenario's starting world
+size, without faults, cached by a hash of the job (:func:`reference_run`). It commits a
+checkpoint at the same cadence and keeps them all, so the data digest of every step the chaos
+run committed can be compared with the reference's at that step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos.faults import Commit, FaultRecord
+from chaos.scenario import REPO, ChaosError, JobConfig
+
+logger = logging.getLogger(__name__)
+
+WORLD_CHANGE_RTOL = 1e-4
+WORLD_CHANGE_ATOL = 1e-6
+"""Tolerance for final weights after a world-size change (the project's, see tests/jobs.py): the same
+samples are summed in another order (per-rank partial sums, then the all-reduce), so weights differ by
+floating-point reassociation only."""
+
+
+class VerifyError(ChaosError):
+    """The reference run failed, or a checkpoint could not be read back for the checks."""
+
+
+# -- facts -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """One meaningful line of a node's log."""
+
+    time: float
+    node: str
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    path: str = ""
+    world_size: int | None = None
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as rank 0 logged it in ``metrics.jsonl``."""
+
+    step: int
+    time: float
+    world_size: int
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class NodeOutcome:
+    """How a node's agent ended: ``returncode`` None if it still ran when the run ended."""
+
+    name: str
+    returncode: int | None
+    removed_by: str = ""
+    """The fault that took it out of the job, if one did."""
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """A checkpoint read back and verified: position, digests, world size."""
+
+    path: str
+    step: int
+    world_size: int
+    model_digest: str
+    data_digest: str
+
+
+@dataclass(frozen=True)
+class WeightComparison:
+    """Final weights of the chaos run against the reference's."""
+
+    bitwise: bool
+    allclose: bool
+    max_abs_diff: float
+    worst_tensor: str
+
+
+@dataclass(frozen=True)
+class ReferenceFacts:
+    """The clean run: its final checkpoint and every committed step's data digest."""
+
+    world_size: int
+    checkpoint_uri: str
+    final: CheckpointFacts
+    data_digests: dict[int, str]
+    wall_s: float
+
+
+@dataclass
+class RunFacts:
+    """Everything the checks and metrics need from one chaos run."""
+
+    scenario: str
+    max_steps: int
+    started_at: float
+    ended_at: float
+    timed_out: bool
+    nodes: list[NodeOutcome]
+    faults: list[FaultRecord]
+    steps: list[StepRecord]
+    events: list[LogEvent]
+    commits: list[Commit]
+    final: CheckpointFacts | None
+    final_error: str
+    reference: ReferenceFacts
+    weights: WeightComparison | None = None
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    message: str
+
+
+# -- log parsing (pure) --------------------------------------------------------------------
+
+_RUNTIME_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (\w+) \[[^\]/]*/(\d+) [^\]]*\] ([\w.]+): (.*)$")
+_AGENT_LINE = re.compile(r"^([IWEF])(\d{4}) (\d\d:\d\d:\d\d)\.(\d+) +\d+ [^\]]*\] (.*)$")
+
+_RUNTIME_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("exit", re.compile(r"^exit: reason=(?P<reason>\S+) status=(?P<status>\d+)")),
+    ("stop", re.compile(r"^stop agreed at step (?P<step>\d+)")),
+    ("pg-formed", re.compile(r"^process group formed: rank \d+/(?P<world>\d+)")),
+    ("resumed", re.compile(r"^resumed from (?P<path>.+?): step (?P<step>\d+), epoch \d+, cursor \d+ "
+                           r"\(saved at world size \d+, now (?P<world>\d+)")),
+    ("fresh", re.compile(r"^starting fresh at step 0 \(world size (?P<world>\d+)\)")),
+    ("committed", re.compile(r"^committed checkpoint (?P<path>.+?) \(\d+ files")),
+    ("skipping", re.compile(r"^skipping checkpoint (?P<path>.+?): ")),
+    ("fallback", re.compile(r"^falling back to checkpoint (?P<path>.+?) after")),
+    ("uncommitted", re.compile(r"^un-committed (?P<path>.+?) \(")),
+    ("done", re.compile(r"^done: step=(?P<step>\d+)")),
+    ("watchdog", re.compile(r"^watchdog: no progress")),
+    ("spot", re.compile(r"^spot interruption notice")),
+]
+_LOAD_ERRORS = re.compile(r"no valid checkpoint under|cannot be resumed by this run|holds optimizer state sharded"
+                          r"|step-\d+/\S+: (size|sha256|missing|not listed)")
+_AGENT_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("agent-failure", re.compile(r"failed \(exitcode: -?\d+\) local_rank|Worker group (FAILED|UNHEALTHY)")),
+    ("new-nodes", re.compile(r"Detected \d+ new nodes")),
+    ("agent-signal", re.compile(r"Received \S+ death signal")),
+]
+
+DETECTION_KINDS = frozenset({"exit", "stop", "agent-failure", "new-nodes", "agent-signal", "watchdog", "spot"})
+"""Lines that show the job noticed something: a worker exiting, a stop agreed, the agent seeing a
+failure, a waiting node, or a signal."""
+
+
+def parse_log(text: str, node: str, year: int) -> list[LogEvent]:
+    """The events in one node's log (``year``: torch's agent lines carry only month and day)."""
+    events = []
+    for line in text.splitlines():
+        event = _runtime_event(line, node) or _agent_event(line, node, year)
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def _runtime_event(line: str, node: str) -> LogEvent | None:
+    match = _RUNTIME_LINE.match(line)
+    if not match:
+        return None
+    stamp, millis, level, rank, _, message = match.groups()
+    when = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+    if level in ("ERROR", "CRITICAL") and _LOAD_ERRORS.search(message):
+        return LogEvent(when, node, "load-error", int(rank), text=message)
+    for kind, pattern in _RUNTIME_PATTERNS:
+        found = pattern.match(message)
+        if found:
+            groups = found.groupdict()
+            return LogEvent(when, node, kind, int(rank), step=_int(groups.get("step")), path=groups.get("path", ""),
+                            world_size=_int(groups.get("world")), text=message)
+    return None
+
+
+def _agent_event(line: str, node: str, year: int) -> LogEvent | None:
+    match = _AGENT_LINE.match(line)
+    if not match:
+        return None
+    _, month_day, clock, fraction, message = match.groups()
+    for kind, pattern in _AGENT_PATTERNS:
+        if pattern.search(message):
+            stamp = time.mktime(time.strptime(f"{year}{month_day} {clock}", "%Y%m%d %H:%M:%S"))
+            return LogEvent(stamp + float(f"0.{fraction}"), node, kind, text=message)
+    return None
+
+
+def _int(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def parse_metrics(lines: Iterable[str]) -> list[StepRecord]:
+    """Rank 0's per-step records (lines with a loss and no event); a half-written last line is skipped."""
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record and "event" not in record:
+            records.append(StepRecord(record["step"], record["time"], record["world_size"], record.get("step_time_s", 0.0)))
+    return records
+
+
+def step_dir(path: str) -> str:
+    """``step-00000040`` of a checkpoint path or URI."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+# -- checks (pure) --------------------------------------------------------------------------
+
+
+def run_checks(facts: RunFacts) -> list[Check]:
+    """Every check, in a fixed order."""
+    return [
+        check_finished(facts),
+        check_faults_fired(facts.faults),
+        check_survivors(facts.nodes),
+        check_final_checkpoint(facts.final, facts.final_error, facts.max_steps),
+        check_data(facts.commits, facts.reference, facts.final),
+        check_weights(facts.steps, facts.final, facts.reference, facts.weights),
+        check_loads(facts.events, facts.commits, facts.faults),
+    ]
+
+
+def check_finished(facts: RunFacts) -> Check:
+    done = [event for event in facts.events if event.kind == "done"]
+    if facts.timed_out:
+        last = facts.steps[-1].step if facts.steps else 0
+        return Check("job-finished", False, f"still running at the deadline, last step logged {last} of {facts.max_steps}")
+    if not done:
+        last = facts.steps[-1].step if facts.steps else 0
+        return Check("job-finished", False, f"every node exited but no rank logged 'done:'; last step logged {last}")
+    return Check("job-finished", True, f"done at step {done[-1].step} after {facts.ended_at - facts.started_at:.0f} s")
+
+
+def check_faults_fired(faults: list[FaultRecord]) -> Check:
+    missed = [f"{record.label} ({record.skipped or 'never triggered'})" for record in faults if not record.fired]
+    if missed:
+        return Check("faults-fired", False, "not fired: " + "; ".join(missed))
+    return Check("faults-fired", True, f"all {len(faults)} fault(s) fired")
+
+
+def check_survivors(nodes: list[NodeOutcome]) -> Check:
+    survivors = [node for node in nodes if not node.removed_by]
+    bad = [f"{node.name} exited {node.returncode}" if node.returncode is not None else f"{node.name} still ran at the end"
+           for node in survivors if node.returncode != 0]
+    if not survivors:
+        return Check("survivors-exit-0", False, "no node survived the scenario")
+    if bad:
+        return Check("survivors-exit-0", False, "; ".join(bad))
+    return Check("survivors-exit-0", True, f"{', '.join(node.name for node in survivors)} exited 0")
+
+
+def check_final_checkpoint(final: CheckpointFacts | None, error: str, max_steps: int) -> Check:
+    if final is None:
+        return Check("final-checkpoint", False, error or "no committed checkpoint")
+    if final.step != max_steps:
+        return Check("final-checkpoint", False, f"the newest committed checkpoint is step {final.step}, not {max_steps}")
+    return Check("final-checkpoint", True, f"{step_dir(final.path)} verifies (every file's size and sha256)")
+
+
+def check_data(commits: list[Commit], reference: ReferenceFacts, final: CheckpointFacts | None) -> Check:
+    """Every checkpoint the run committed holds the reference's data digest at its step: exactly the
+    samples of an uninterrupted run were consumed up to it, whatever the world size."""
+    compared = sorted({(commit.step, commit.data_digest) for commit in commits if commit.step in reference.data_digests})
+    good = 0
+    for step, digest in compared:
+        expected = reference.data_digests[step]
+        if digest != expected:
+            return Check("data-digest", False,
+                         f"the checkpoint of step {step} consumed other samples than the reference run "
+                         f"(data digest {digest[:12]}… != {expected[:12]}…); last matching checkpoint: step {good}")
+        good = step
+    if final is None:
+        return Check("data-digest", False, f"no final checkpoint to compare; {len(compared)} checkpoints matched up to step {good}")
+    if final.data_digest != reference.final.data_digest:
+        return Check("data-digest", False, f"the final checkpoint (step {final.step}) consumed other samples than the reference "
+                     f"(data digest {final.data_digest[:12]}… != {reference.final.data_digest[:12]}…)")
+    return Check("data-digest", True, f"{len(compared)} checkpoints up to step {good} match the reference's data digests")
+
+
+def check_weights(steps: list[StepRecord], final: CheckpointFacts | None, reference: ReferenceFacts,
+                  weights: WeightComparison | None) -> Check:
+    """Bitwise equal to the reference when every step ran at its world size, else within the tolerance."""
+    if final is None:
+        return Check("model-weights", False, "no final checkpoint to compare")
+    worlds = sorted({record.world_size for record in steps})
+    if worlds == [reference.world_size]:
+        if final.model_digest == reference.final.model_digest:
+            return Check("model-weights", True, f"bitwise equal to the reference at step {final.step} (world size {worlds[0]})")
+        return Check("model-weights", False, f"step {final.step}: model digest {final.model_digest[:12]}… != reference "
+                     f"{reference.final.model_digest[:12]}… although the world size never changed ({worlds[0]})")
+    if weights is None:
+        return Check("model-weights", False, f"step {final.step}: the weights could not be compared")
+    within = f"rtol={WORLD_CHANGE_RTOL:g}, atol={WORLD_CHANGE_ATOL:g}"
+    if not weights.allclose:
+        return Check("model-weights", False, f"step {final.step}: {weights.worst_tensor} differs by {weights.max_abs_diff:.3g} "
+                     f"from the reference, beyond {within} (world sizes {worlds})")
+    return Check("model-weights", True, f"step {final.step}: within {within} of the reference (max |diff| "
+                 f"{weights.max_abs_diff:.3g}, world sizes {worlds})")
+
+
+def check_loads(events: list[LogEvent], commits: list[Commit], faults: list[FaultRecord]) -> Check:
+    """No checkpoint was ever loaded partially: every resume names a step directory committed before it (and
+    not un-committed or corrupted since), and no load failed half-way."""
+    errors = [event for event in events if event.kind == "load-error"]
+    if errors:
+        first = errors[0]
+        return Check("no-partial-load", False, f"{first.node} rank {first.rank}: load error: {first.text[:300]}")
+    resumes = [event for event in events if event.kind == "resumed"]
+    for resume in resumes:
+        problem = _resume_problem(resume, events, commits, faults)
+        if problem:
+            return Check("no-partial-load", False, f"resume at step {resume.step} ({resume.node}): {problem}")
+    return Check("no-partial-load", True, f"{len(resumes)} resume(s), each from a checkpoint committed and intact at the time")
+
+
+def _resume_problem(resume: LogEvent, events: list[LogEvent], commits: list[Commit], faults: list[FaultRecord]) -> str:
+    name = step_dir(resume.path)
+    committed_at = [event.time for event in events if event.kind == "committed" and step_dir(event.path) == name
+                    and event.time <= resume.time]
+    committed_at += [commit.seen_at for commit in commits if f"step-{commit.step:08d}" == name and commit.seen_at <= resume.time]
+    if not committed_at:
+        return f"{name} was never seen committed before it was loaded"
+    last_commit = max(committed_at)
+    for event in events:
+        if event.kind == "uncommitted" and step_dir(event.path) == name and last_commit < event.time <= resume.time:
+            return f"{name} was un-committed before it was loaded and not committed again"
+    for record in faults:
+        if (record.kind == "corrupt-checkpoint" and record.fired_at is not None and f"/{name}/" in record.target
+                and last_commit < record.fired_at <= resume.time):
+            return f"{name} was loaded although chaos corrupted {record.target} after its last commit"
+    return ""
+
+
+# -- recovery metrics (pure) -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultMetrics:
+    """How the job recovered from one fault (None: not observed)."""
+
+    detect_s: float | None = None
+    """Fault -> the first line showing the job noticed (an exit, a stop agreed, the agent seeing a failure)."""
+    rendezvous_s: float | None = None
+    """Fault -> the first process group formed after it (a new generation)."""
+    first_step_s: float | None = None
+    """Fault -> the first step completed after that rendezvous."""
+    steps_redone: int | None = None
+    """Newest step logged before the resume minus the step resumed from."""
+    resumed_step: int | None = None
+    world_size_after: int | None = None
+    overlapped: bool = False
+    """The next fault fired before this one's recovery was complete."""
+
+
+def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepRecord],
+                  next_fault_at: float | None) -> FaultMetrics:
+    """Recovery figures for one fired fault, from the log events and step records after it."""
+    if record.fired_at is None:
+        return FaultMetrics()
+    start = record.fired_at - 0.002  # log stamps are truncated to milliseconds
+    detected = _earliest(event for event in events if event.kind in DETECTION_KINDS and event.time >= start)
+    formed = _earliest(event for event in events if event.kind == "pg-formed"
+                       and event.time >= (detected.time if detected else start))
+    first_step = _earliest(step for step in steps if formed is not None and step.time > formed.time)
+    resumed = _earliest(event for event in events if event.kind == "resumed" and event.time >= start)
+    redone = None
+    if resumed is not None and resumed.step is not None:
+        before = [step.step for step in steps if step.time < resumed.time]
+        redone = max(0, max(before, default=0) - resumed.step)
+    end = first_step.time if first_step is not None else None
+    return FaultMetrics(
+        detect_s=_since(detected.time if detected else None, record.fired_at),
+        rendezvous_s=_since(formed.time if formed else None, record.fired_at),
+        first_step_s=_since(end, record.fired_at),
+        steps_redone=redone,
+        resumed_step=resumed.step if resumed else None,
+        world_size_after=first_step.world_size if first_step else None,
+        overlapped=next_fault_at is not None and (end is None or end > next_fault_at),
+    )
+
+
+def all_fault_metrics(facts: RunFacts) -> list[FaultMetrics]:
+    """:func:`fault_metrics` for every fault, each bounded by the next fault's firing time."""
+    times = sorted(record.fired_at for record in facts.faults if record.fired_at is not None)
+    result = []
+    for record in facts.faults:
+        later = [when for when in times if record.fired_at is not None and when > record.fired_at]
+        result.append(fault_metrics(record, facts.events, facts.steps, min(later, default=None)))
+    return result
+
+
+def goodput(steps: list[StepRecord], attempt_starts: list[float], started_at: float, ended_at: float) -> float:
+    """Share of the wall time spent on steps that reached the final model.
+
+    A step's time is the gap since the previous step of the same attempt (attempts begin at each
+    resume or fresh start), or its own ``step_time_s`` when it is an attempt's first. Of every step
+    number only the last execution reached the final model; earlier ones were lost to a failure and redone.
+    """
+    total = ended_at - started_at
+    if total <= 0 or not steps:
+        return 0.0
+    final: dict[int, float] = {}
+    previous: StepRecord | None = None
+    for record in sorted(steps, key=lambda item: item.time):
+        same_attempt = previous is not None and _attempt(previous.time, attempt_starts) == _attempt(record.time, attempt_starts)
+        if same_attempt and previous is not None and record.step == previous.step + 1:
+            final[record.step] = record.time - previous.time
+        else:
+            final[record.step] = record.step_time_s
+        previous = record
+    return min(1.0, sum(final.values()) / total)
+
+
+def attempt_starts(events: list[LogEvent]) -> list[float]:
+    """When each attempt of the job began (rank 0's resume or fresh-start line)."""
+    return sorted(event.time for event in events if event.kind in ("resumed", "fresh"))
+
+
+def _attempt(when: float, starts: list[float]) -> int:
+    return sum(start <= when for start in starts)
+
+
+def _earliest(items: Iterable[Any]) -> Any:
+    """The item with the smallest ``.time``, or None."""
+    return min(items, default=None, key=lambda item: item.time)
+
+
+def _since(when: float | None, origin: float) -> float | None:
+    return None if when is None else max(0.0, when - origin)
+
+
+# -- the reference run and reading checkpoints back (I/O) ----------------------------------------
+
+
+def reference_key(job: JobConfig, world_size: int) -> str:
+    """The cache key of a reference run: the job's script, arguments, steps, cadence and world size."""
+    import torch
+
+    body = json.dumps([os.path.relpath(job.script, REPO), list(job.args), job.max_steps, job.checkpoint_every, world_size,
+                       torch.__version__])
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def reference_run(job: JobConfig, world_size: int, cache_dir: Path, timeout_s: float = 900.0) -> ReferenceFacts:
+    """The clean run of ``job`` at ``world_size`` under ``torchrun --standalone``: reused from ``cache_dir`` when
+    an identical one ran before, else run now (its checkpoints are all kept)."""
+    directory = cache_dir / f"reference-{reference_key(job, world_size)}"
+    cached = directory / "facts.json"
+    if cached.is_file():
+        logger.info("reusing the reference run in %s", directory)
+        return _facts_from_json(json.loads(cached.read_text()))
+    started = time.monotonic()
+    _run_reference_job(job, world_size, directory, timeout_s)
+    uri = str(directory / "ckpt")
+    facts = ReferenceFacts(world_size=world_size, checkpoint_uri=uri, final=read_checkpoint(uri),
+                           data_digests=data_digests(uri), wall_s=time.monotonic() - started)
+    cached.write_text(json.dumps(asdict(facts), indent=2))
+    return facts
+
+
+def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout_s: float) -> None:
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)  # a reference that did not finish: start it over
+    directory.mkdir(parents=True)
+    keep = job.max_steps // job.checkpoint_every + 2
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               job.script, *job.args, "--max-steps", str(job.max_steps), "--checkpoint-every", str(job.checkpoint_every),
+               "--checkpoint-keep", str(keep), "--checkpoint-dir", str(directory / "ckpt"),
+               "--log-dir", str(directory / "logs"), "--log-every", "1", "--log-progress", "off"]
+    logger.info("reference run (world size %d): %s", world_size, " ".join(command))
+    with open(directory / "reference.log", "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=_reference_env(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    if code != 0:
+        tail = (directory / "reference.log").read_text(errors="replace")[-3000:]
+        raise VerifyError(f"the reference run in {directory} {'timed out' if code is None else f'exited {code}'}:\n{tail}")
+
+
+def _reference_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ELASTIC_DDP_FAULT"):
+        env.pop(name, None)
+    return env
+
+
+def _facts_from_json(body: dict[str, Any]) -> ReferenceFacts:
+    return ReferenceFacts(world_size=body["world_size"], checkpoint_uri=body["checkpoint_uri"],
+                          final=CheckpointFacts(**body["final"]),
+                          data_digests={int(step): digest for step, digest in body["data_digests"].items()},
+                          wall_s=body["wall_s"])
+
+
+def _manager(uri: str, options: dict[str, Any] | None) -> Any:
+    from elastic_ddp.checkpoint import CheckpointManager
+
+    return CheckpointManager(uri, rank=0, world_size=1, run_id="chaos-verify", storage_options=options)
+
+
+def read_checkpoint(uri: str, options: dict[str, Any] | None = None) -> CheckpointFacts:
+    """The newest committed checkpoint under ``uri``, every file verified (size and sha256); raises
+    CheckpointError naming the bad file when it does not verify."""
+    from elastic_ddp.checkpoint.manager import deserialize
+    from elastic_ddp.state import model_digest
+
+    manager = _manager(uri, options)
+    newest = next((info for info in manager.list() if info.committed), None)
+    if newest is None:
+        raise VerifyError(f"no committed checkpoint under {uri}")
+    data = manager.verify(newest)
+    manifest = newest.manifest
+    model = deserialize(data[manifest.replicated_file], newest.path)["model"]
+    return CheckpointFacts(path=newest.path, step=manifest.step, world_size=manifest.world_size,
+                           model_digest=model_digest(model), data_digest=manifest.data_digest)
+
+
+def data_digests(uri: str, options: dict[str, Any] | None = None) -> dict[int, str]:
+    """Step -> data digest of every committed checkpoint under ``uri`` (from the manifests)."""
+    return {info.step: info.manifest.data_digest for info in _manager(uri, options).list() if info.committed}
+
+
+def final_weights(uri: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The model tensors of the newest committed checkpoint under ``uri``."""
+    from elastic_ddp.checkpoint.manager import deserialize
+
+    manager = _manager(uri, options)
+    newest = next(info for info in manager.list() if info.committed)
+    return deserialize(manager.verify(newest)[newest.manifest.replicated_file], newest.path)["model"]
+
+
+def compare_weights(ours: dict[str, Any], reference: dict[str, Any]) -> WeightComparison:
+    """Bitwise equality, allclose within the world-change tolerance, and the largest difference."""
+    import torch
+
+    worst, worst_name, close, bitwise = 0.0, "", True, True
+    for name in sorted(reference):
+        mine, theirs = ours.get(name), reference[name]
+        if mine is None or mine.shape != theirs.shape:
+            return WeightComparison(False, False, float("inf"), f"{name} (missing or reshaped)")
+        diff = (mine.double() - theirs.double()).abs().max().item() if mine.numel() else 0.0
+        bitwise = bitwise and torch.equal(mine, theirs)
+        close = close and torch.allclose(mine, theirs, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL)
+        if diff >= worst:
+            worst, worst_name = diff, name
+    return WeightComparison(bitwise, close, worst, worst_name)
+
+
+def facts_summary(facts: RunFacts) -> dict[str, Any]:
+    """World sizes, restarts and counts derived from the facts (for reports)."""
+    return {
+        "world_sizes": sorted({record.world_size for record in facts.steps}),
+        "attempts": len(attempt_starts(facts.events)),
+        "resumes": sum(event.kind == "resumed" for event in facts.events),
+        "steps_logged": len(facts.steps),
+        "commits_seen": len(facts.commits),
+    }
+
