@@ -30,7 +30,7 @@ from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager
 from elastic_ddp.checkpoint.manager import deserialize
 from elastic_ddp.checkpoint.manifest import parse_step_dir
 from elastic_ddp.checkpoint.storage import basename
-from elastic_ddp.errors import CheckpointError, ElasticDDPError
+from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError
 from elastic_ddp.state import model_digest
 
 
@@ -42,8 +42,8 @@ def _split_uri(uri: str) -> tuple[str, int | None]:
     return uri.rstrip("/").rsplit("/", 1)[0] or "/", step
 
 
-def _manager(root: str) -> CheckpointManager:
-    return CheckpointManager(root, rank=0, world_size=1, run_id="cli")
+def _manager(root: str, options: dict[str, Any] | None = None) -> CheckpointManager:
+    return CheckpointManager(root, rank=0, world_size=1, run_id="cli", storage_options=options or None)
 
 
 def _pick(manager: CheckpointManager, step: int | None) -> CheckpointInfo:
@@ -62,7 +62,7 @@ def _pick(manager: CheckpointManager, step: int | None) -> CheckpointInfo:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     root, _ = _split_uri(args.uri)
-    manager = _manager(root)
+    manager = _manager(root, args.options)
     infos = manager.list()
     if not infos:
         print(f"no checkpoints under {root}")
@@ -83,10 +83,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def inspect_checkpoint(uri: str) -> dict[str, Any]:
+def inspect_checkpoint(uri: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The facts ``ckpt inspect`` prints, as a dict (also used by tests and the chaos verifier)."""
     root, step = _split_uri(uri)
-    manager = _manager(root)
+    manager = _manager(root, options)
     info = _pick(manager, step)
     data = manager.verify(info)
     manifest = info.manifest
@@ -112,7 +112,7 @@ def inspect_checkpoint(uri: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    facts = inspect_checkpoint(args.uri)
+    facts = inspect_checkpoint(args.uri, args.options)
     if args.json:
         print(json.dumps(facts, indent=2, sort_keys=True))
         return 0
@@ -125,7 +125,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     root, step = _split_uri(args.uri)
     step = args.step if args.step is not None else step
-    manager = _manager(root)
+    manager = _manager(root, args.options)
     infos = [manager.describe(step)] if step is not None else [i for i in manager.list() if i.committed]
     if not infos:
         print(f"no committed checkpoints under {root}", file=sys.stderr)
@@ -147,7 +147,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if step is None:
         print("elastic-ddp: error: name the checkpoint with --step N or a .../step-N URI", file=sys.stderr)
         return 2
-    manager = _manager(root)
+    manager = _manager(root, args.options)
     if args.dry_run:
         print(f"would remove {manager.describe(step).path}")
         return 0
@@ -160,7 +160,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print("elastic-ddp: error: --keep must be >= 1", file=sys.stderr)
         return 2
     root, _ = _split_uri(args.uri)
-    manager = _manager(root)
+    manager = _manager(root, args.options)
     if args.dry_run:
         doomed = manager.retention_plan(keep=args.keep)
         verb = "would remove"
@@ -186,7 +186,9 @@ def hand_over_to_chaos(command: str, args: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
     commands = parser.add_subparsers(dest="command", required=True)
-    ckpt = commands.add_parser("ckpt", help="list, inspect and verify checkpoints")
+    ckpt = commands.add_parser("ckpt", help="list, inspect, verify and clean up checkpoints")
+    ckpt.add_argument("--storage-options", metavar="JSON", default="",
+                      help="fsspec options for a remote URI, as for --checkpoint-storage-options (e.g. an S3 endpoint_url)")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     ls = ckpt_commands.add_parser("ls", help="list step directories with time, size, world size and validity")
     ls.add_argument("uri", help="checkpoint root (a path or URI)")
@@ -217,12 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse_options(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--storage-options: not valid JSON ({exc})") from exc
+    if not isinstance(options, dict):
+        raise ConfigError("--storage-options: must be a JSON object")
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("launch", "demo"):
         return hand_over_to_chaos(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        args.options = _parse_options(args.storage_options)
         return args.func(args)
     except ElasticDDPError as exc:
         print(f"elastic-ddp: error: {exc}", file=sys.stderr)

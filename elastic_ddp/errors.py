@@ -29,6 +29,10 @@ class CheckpointError(ElasticDDPError):
     """A checkpoint could not be written, read or trusted."""
 
 
+class CheckpointStorageError(CheckpointError):
+    """The checkpoint store failed an operation (I/O error, endpoint unreachable, access denied)."""
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint's manifest or one of its files does not verify."""
 

@@ -44,7 +44,12 @@ from elastic_ddp.checkpoint.manifest import (
     step_dir_name,
 )
 from elastic_ddp.checkpoint.storage import FileRecord, Storage, open_storage
-from elastic_ddp.errors import CheckpointCorruptError, CheckpointError, NoValidCheckpointError
+from elastic_ddp.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    CheckpointError,
+    NoValidCheckpointError,
+)
 from elastic_ddp.state import TrainState
 
 logger = logging.getLogger(__name__)
@@ -173,16 +178,19 @@ class CheckpointManager:
         directory = self.storage.join(step_dir_name(staged.step))
         records, error = self._write_own_files(staged, directory)
         reports = self._gather_to_main((records, error))
-        outcome: list[Any] = [None, None]
+        outcome: list[Any] = [None, None, False]  # manifest, failure, lost the create-only race
         if self.rank == 0:
             try:
                 outcome[0] = self._commit(staged, directory, reports)
+            except CheckpointConflictError as exc:
+                outcome[1:] = [str(exc), True]
             except Exception as exc:  # noqa: BLE001 - every rank waits for this outcome; a bug must reach them too
-                outcome[1] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
+                outcome[1] = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         self._broadcast_from_main(outcome)
-        manifest, failure = outcome
+        manifest, failure, conflict = outcome
         if failure is not None:
-            raise CheckpointError(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}")
+            error = CheckpointConflictError if conflict else CheckpointError
+            raise error(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}")
         return manifest
 
     def _write_own_files(self, staged: Staged, directory: str) -> tuple[dict[str, FileRecord], str | None]:
@@ -216,10 +224,19 @@ class CheckpointManager:
             token=self.token,
         )
         self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
-        self.storage.replace(self.storage.join(LATEST_HINT), step_dir_name(manifest.step).encode())
         logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
-        self.apply_retention()
+        self._after_commit(manifest)
         return manifest
+
+    def _after_commit(self, manifest: Manifest) -> None:
+        """Update the ``latest`` hint and apply retention. The checkpoint is committed already, so a
+        failure here is logged, not raised: neither is needed for a correct restore."""
+        try:
+            self.storage.replace(self.storage.join(LATEST_HINT), step_dir_name(manifest.step).encode())
+            self.apply_retention()
+        except CheckpointError as exc:
+            logger.warning("checkpoint of step %d is committed, but updating 'latest' or retention failed: %s",
+                           manifest.step, exc)
 
     # -- discovery ---------------------------------------------------------------
 
@@ -355,19 +372,25 @@ class CheckpointManager:
         """Remove what :meth:`retention_plan` lists; returns the removed paths."""
         doomed = self.retention_plan(keep, now)
         for path in doomed:
-            self.storage.remove_tree(path)
+            self._remove_dir(path)
             logger.info("retention removed %s", path)
         return doomed
 
     def remove_step(self, step: int) -> str:
-        """Delete one step directory (committed or not); the manifest goes first, so it is never half-visible."""
+        """Delete one step directory (committed or not)."""
         info = self.describe(step)
         if not self.storage.exists(info.path) and not self.storage.list_dir(info.path):
             raise CheckpointError(f"{info.path} does not exist")
-        if self.storage.exists(self._manifest_path(step)):
-            self.storage.remove(self._manifest_path(step))
-        self.storage.remove_tree(info.path)
+        self._remove_dir(info.path)
         return info.path
+
+    def _remove_dir(self, path: str) -> None:
+        """Remove a step directory manifest first: interrupted half-way, it is an unfinished write,
+        never a committed checkpoint with files missing."""
+        manifest = self.storage.join(path, MANIFEST_NAME)
+        if self.storage.exists(manifest):
+            self.storage.remove(manifest)
+        self.storage.remove_tree(path)
 
     # -- collectives -------------------------------------------------------------
 

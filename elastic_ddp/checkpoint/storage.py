@@ -25,13 +25,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from elastic_ddp.errors import CheckpointConflictError, CheckpointError
+from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
 HASH_NAME = "sha256"
-
-
-class CheckpointStorageError(CheckpointError):
-    """The checkpoint store failed an operation (I/O error, endpoint unreachable, access denied)."""
 
 
 @dataclass(frozen=True)

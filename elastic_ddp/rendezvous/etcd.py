@@ -21,9 +21,11 @@ Keys (``<p>`` = ``key_prefix``, default ``/elastic_ddp/rdzv/``)::
 Why the agents' store lives in etcd, not in a TCPStore
 ------------------------------------------------------
 torch's ``c10d`` backend hosts a TCPStore on the ``--rdzv-endpoint`` machine, and
-the ``DynamicRendezvousHandler`` of recent torch (2.13 here) makes the rank-0 *agent* host a
-second TCPStore that the *workers* use (``use_agent_store``, opt out with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). The store returned by
+the ``DynamicRendezvousHandler`` of recent torch (2.13 here) by default makes the rank-0
+*agent* host a second TCPStore that the *workers* use (``use_agent_store``). The ``etcd-v3``
+handler opts out (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see
+:func:`use_fresh_worker_store`): each round, rank 0's *worker* hosts the workers' TCPStore on
+a port published through the agents' store. The store returned by
 :func:`create_backend` is therefore only the agents' store: a handful of operations
 per rendezvous round (publish and read ``MASTER_ADDR``/``MASTER_PORT``, one
 ``set`` + ``multi_get``/``multi_set`` + blocking ``get`` for rank assignment, an
@@ -50,14 +52,13 @@ operations each, ``wake`` = a blocked ``wait`` returning after another client's
 An agent makes about eight store calls per round (``RendezvousStoreInfo.build`` and
 ``_assign_worker_ranks``), i.e. about 10 ms on etcd against under 1 ms on a
 TCPStore, next to ``last_call_timeout`` (30 s by default) and worker start-up that
-take seconds. The workers' process-group traffic stays on the agent-hosted
-TCPStore at TCPStore speed. (That shared store outlives worker attempts and breaks
-restarts; see ``RESTARTS.md`` in this package.)
+take seconds. The workers' process-group traffic stays on a TCPStore at TCPStore speed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import zlib
 from datetime import timedelta
@@ -79,6 +80,7 @@ from elastic_ddp.rendezvous.store import EtcdStore
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
+_FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STATE_MAGIC = b"elastic_ddp.rdzv.v1:"
 _CRC_HEX = re.compile(rb"[0-9a-f]{8}")
 
@@ -205,9 +207,30 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """A ``DynamicRendezvousHandler`` over etcd v3 (what torchrun calls for ``etcd-v3``)."""
+    """A ``DynamicRendezvousHandler`` over etcd v3 (what torchrun calls for ``etcd-v3``).
+
+    Also gives every worker-group attempt a fresh worker store; see :func:`use_fresh_worker_store`.
+    """
     backend, store = create_backend(params)
+    use_fresh_worker_store()
     return create_handler(store, backend, params)
+
+
+def use_fresh_worker_store() -> None:
+    """Default ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` to ``1`` in this (the agent's) process.
+
+    With torch's default, the workers of every attempt share one TCPStore that the rank-0
+    agent hosts for its whole life, and the keys a killed attempt left there break about
+    half of all restarts: see ``RESTARTS.md`` in this package ("The fix, by depth", 1).
+    torch reads the variable at each ``next_rendezvous()`` and when it starts workers,
+    both after torchrun created this handler, so with it every round publishes a fresh
+    MASTER_PORT through this backend's store and rank 0's worker hosts an empty TCPStore
+    there. An explicit value in the agent's environment is respected (``0`` keeps torch's
+    shared store; the workers then warn about it).
+    """
+    if _FRESH_STORE_ENV not in os.environ:
+        os.environ[_FRESH_STORE_ENV] = "1"
+        logger.info("etcd-v3: %s=1, so every worker-group attempt gets a fresh store (RESTARTS.md)", _FRESH_STORE_ENV)
 
 
 def handler_factory() -> RendezvousHandlerCreator:

@@ -13,8 +13,11 @@ echoed.
                             last write (default 7200). A job that reuses a run id
                             within this time sees the old (e.g. closed) rendezvous.
 ``read_timeout``            seconds one etcd operation (all endpoints together) and one
-                            agent-store wait may take before failing (default 60, or
-                            ``join_timeout`` if that is shorter; may not exceed it).
+                            agent-store wait may take before failing (default 60, or half
+                            of ``join_timeout`` if that is shorter; at most half of it: an
+                            agent that cannot reach etcd fails its join after one
+                            ``read_timeout`` and spends up to another one trying to close
+                            the rendezvous on its way out, and both fit in ``join_timeout``).
 ``cacert``, ``cert``,       PEM files for TLS: the CA that signed the etcd members, and
 ``key``                     the client certificate and key for mutual TLS.
 ``user``, ``password``      etcd credentials (both or neither).
@@ -76,7 +79,9 @@ class EtcdRendezvousSettings:
     """Seconds the state and store keys live after their lease was last refreshed."""
     read_timeout: int = DEFAULT_READ_TIMEOUT_S
     """Deadline in seconds of one etcd operation across all endpoints; also the agent store's timeout.
-    When it expires the operation raises ``RendezvousConnectionError`` (store: ``DistStoreError``)."""
+    When it expires the operation raises ``RendezvousConnectionError`` (store: ``DistStoreError``).
+    An etcd outage shorter than this is ridden out by every call, including the agent's poll for
+    waiting nodes while its workers train; a longer one fails the agent."""
     use_tls: bool = False
     """Whether the endpoints were given as ``https://``."""
     ca_cert: str | None = None
@@ -199,13 +204,16 @@ def _positive_int(config: Mapping[str, Any], name: str, default: int, issues: li
 
 
 def _read_timeout(config: Mapping[str, Any], join_timeout: int, issues: list[str]) -> int:
+    """At most half the join timeout: an unreachable etcd fails the join after one read timeout,
+    and torchrun's attempt to close the rendezvous on the way out takes up to one more."""
     if config.get("read_timeout") is None:
-        return min(DEFAULT_READ_TIMEOUT_S, join_timeout)
+        return max(1, min(DEFAULT_READ_TIMEOUT_S, join_timeout // 2))
     read_timeout = _positive_int(config, "read_timeout", DEFAULT_READ_TIMEOUT_S, issues)
-    if read_timeout > join_timeout:
+    if 2 * read_timeout > join_timeout:
         issues.append(
-            "read_timeout=%d exceeds join_timeout=%d: an unreachable etcd must fail the join in time"
-            % (read_timeout, join_timeout)
+            "read_timeout=%d exceeds half of join_timeout=%d: an agent that cannot reach etcd fails its "
+            "join after one read_timeout and tries to close the rendezvous for up to another one, and "
+            "must exit within join_timeout" % (read_timeout, join_timeout)
         )
     return read_timeout
 
