@@ -123,25 +123,26 @@ class FsspecStorage:
 
     def _upload(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         """Stream into a buffered file: parts go up as the buffer fills, the object appears on close."""
-        checksum = Checksum()
-        handle = self._fs.open(path, "wb")
-        try:
-            for chunk in chunks:
-                handle.write(chunk)
-                checksum.update(chunk)
-            handle.close()  # the commit: one PUT, or completing the multipart upload
-        except BaseException:
-            _abandon(handle, path)
-            raise
-        return checksum.record()
+        with Checksum() as checksum:
+            handle = self._fs.open(path, "wb")
+            try:
+                for chunk in chunks:
+                    checksum.update(chunk)
+                    handle.write(chunk)
+                handle.close()  # the commit: one PUT, or completing the multipart upload
+            except BaseException:
+                _abandon(handle, path)
+                raise
+            return checksum.record()
 
     def _put_whole(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        checksum, parts = Checksum(), []
-        for chunk in chunks:
-            checksum.update(chunk)
-            parts.append(chunk)
-        self._fs.pipe_file(path, b"".join(parts))
-        return checksum.record()
+        parts: list[bytes | memoryview] = []
+        with Checksum() as checksum:
+            for chunk in chunks:
+                checksum.update(chunk)
+                parts.append(chunk)
+            self._fs.pipe_file(path, b"".join(parts))
+            return checksum.record()
 
     def create(self, path: str, data: bytes) -> None:
         with self._errors("create", path):

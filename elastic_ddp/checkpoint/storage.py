@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 import posixpath
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
@@ -38,19 +40,56 @@ class FileRecord:
     sha256: str
 
 
-@dataclass
 class Checksum:
-    """Size and SHA-256 of bytes as they stream past, for :meth:`Storage.write`."""
+    """Size and SHA-256 of bytes as they stream past, for :meth:`Storage.write`.
 
-    size: int = 0
-    hasher: Any = field(default_factory=hashlib.sha256)
+    Large chunks are hashed on a helper thread while the caller writes the next one: hashlib
+    and file/socket writes both release the GIL, so a save costs about the slower of hashing
+    and writing instead of their sum. Chunks are not copied; the caller keeps them unchanged
+    until :meth:`record` (staged or paused state, so they are). Use as a context manager so
+    the thread ends on every path.
+    """
+
+    PARALLEL_MIN_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._hasher = hashlib.sha256()
+        self._queue: queue.Queue[memoryview | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Checksum:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._finish()
 
     def update(self, chunk: bytes | memoryview) -> None:
-        self.hasher.update(chunk)
-        self.size += memoryview(chunk).nbytes
+        view = memoryview(chunk)
+        self.size += view.nbytes
+        if self._queue is None and view.nbytes < self.PARALLEL_MIN_BYTES:
+            self._hasher.update(view)
+            return
+        if self._queue is None:
+            self._queue = queue.Queue(maxsize=4)
+            self._thread = threading.Thread(target=self._hash_queued, name="elastic-ddp-sha256", daemon=True)
+            self._thread.start()
+        self._queue.put(view)  # keeps order: once the thread runs, every chunk goes through it
 
     def record(self) -> FileRecord:
-        return FileRecord(size=self.size, sha256=self.hasher.hexdigest())
+        self._finish()
+        return FileRecord(size=self.size, sha256=self._hasher.hexdigest())
+
+    def _hash_queued(self) -> None:
+        assert self._queue is not None
+        while (view := self._queue.get()) is not None:
+            self._hasher.update(view)
+
+    def _finish(self) -> None:
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class Storage(Protocol):
@@ -106,13 +145,13 @@ class LocalStorage:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             temp = _temp_name(path)
             try:
-                checksum = _write_synced(temp, chunks)
+                record = _write_synced(temp, chunks)
                 os.replace(temp, path)
             except BaseException:
                 _unlink_quietly(temp)
                 raise
             _fsync_dir(os.path.dirname(path))
-        return checksum.record()
+        return record
 
     def create(self, path: str, data: bytes) -> None:
         with _local_errors("create", path):
@@ -169,15 +208,14 @@ def _local_errors(action: str, path: str) -> Iterator[None]:
         raise CheckpointStorageError(f"cannot {action} {path}: {exc}") from exc
 
 
-def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> Checksum:
-    checksum = Checksum()
-    with open(path, "wb") as handle:
+def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
+    with Checksum() as checksum, open(path, "wb") as handle:
         for chunk in chunks:
+            checksum.update(chunk)  # hashed on the side while this chunk is written
             handle.write(chunk)
-            checksum.update(chunk)
         handle.flush()
         os.fsync(handle.fileno())
-    return checksum
+        return checksum.record()
 
 
 def _link_exclusive(temp: str, path: str, data: bytes) -> None:
