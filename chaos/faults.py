@@ -48,6 +48,18 @@ class FaultError(ChaosError):
 
 
 @dataclass(frozen=True)
+class Previous:
+    """When the previous fault of the schedule fired: seconds since the start, and the newest step then."""
+
+    elapsed_s: float = 0.0
+    step: int = 0
+
+
+START = Previous()
+"""What the first fault of a schedule counts from."""
+
+
+@dataclass(frozen=True)
 class Observation:
     """What the runner saw at one tick of its loop."""
 
@@ -55,6 +67,8 @@ class Observation:
     """Seconds since the first node started."""
     step: int
     """The newest step the job logged (0 before the first)."""
+    world_size: int = 0
+    """The world size of the newest step logged (0 before the first)."""
     unfinished_saves: frozenset[int] = frozenset()
     """Steps whose ``step-*`` directory exists without a manifest."""
 
@@ -62,7 +76,8 @@ class Observation:
 class TriggerState:
     """Decides, tick by tick, whether a trigger's conditions hold; no I/O.
 
-    ``at_s`` and ``at_step`` must both hold (those given). A ``during_save`` trigger then arms:
+    ``at_s``, ``at_step``, ``after_s``, ``after_steps`` and ``world_size`` must all hold (those given); the
+    ``after_*`` ones count from the previous fault's firing (:class:`Previous`). A ``during_save`` trigger then arms:
     it remembers the unfinished saves it sees at that moment and fires on the first step
     directory without a manifest that was not among them — a save that started after arming.
     """
@@ -73,14 +88,14 @@ class TriggerState:
         self.save_step: int | None = None
         """The step whose save was in flight when a during_save trigger fired."""
 
-    def update(self, observation: Observation) -> bool:
-        """True once, at the first observation where the trigger's conditions hold."""
-        trigger = self.trigger
-        if trigger.at_s is not None and observation.elapsed_s < trigger.at_s:
+    def update(self, observation: Observation, previous: Previous | None = START) -> bool:
+        """True once, at the first observation where the trigger's conditions hold.
+
+        ``previous``: when the previous fault of the schedule fired; None if it has not yet.
+        """
+        if not self._conditions_hold(observation, previous):
             return False
-        if trigger.at_step is not None and observation.step < trigger.at_step:
-            return False
-        if not trigger.during_save:
+        if not self.trigger.during_save:
             return True
         if self.armed_with is None:
             self.armed_with = observation.unfinished_saves
@@ -90,6 +105,22 @@ class TriggerState:
             return False
         self.save_step = min(new)
         return True
+
+    def _conditions_hold(self, observation: Observation, previous: Previous | None) -> bool:
+        trigger = self.trigger
+        if trigger.at_s is not None and observation.elapsed_s < trigger.at_s:
+            return False
+        if trigger.at_step is not None and observation.step < trigger.at_step:
+            return False
+        if trigger.world_size is not None and observation.world_size != trigger.world_size:
+            return False
+        if trigger.after_s is None and trigger.after_steps is None:
+            return True
+        if previous is None:
+            return False
+        if trigger.after_s is not None and observation.elapsed_s - previous.elapsed_s < trigger.after_s:
+            return False
+        return trigger.after_steps is None or observation.step - previous.step >= trigger.after_steps
 
 
 # -- targets (pure) --------------------------------------------------------------------
@@ -237,9 +268,12 @@ class Fault:
         self.index = index
         self.trigger = TriggerState(spec.trigger)
         self.record = FaultRecord(index=index, kind=spec.kind, label=spec.label)
+        self.fired: Previous | None = None
+        """When the runner fired it (also set when it was skipped): what the next fault's ``after_*`` count from."""
 
-    def due(self, observation: Observation) -> bool:
-        return not self.record.fired and not self.record.skipped and self.trigger.update(observation)
+    def due(self, observation: Observation, previous: Previous | None = START) -> bool:
+        """Whether to fire now; ``previous``: when the previous fault of the schedule fired, None if not yet."""
+        return self.fired is None and self.trigger.update(observation, previous)
 
     def fire(self, env: ChaosEnv) -> Fired:
         """Carry the fault out (or record why not); stamps the record with the time it landed."""
@@ -304,9 +338,9 @@ class CrashWorker(Fault):
     def env(self) -> dict[str, str]:
         return {"ELASTIC_DDP_FAULT": f"crash:{self.spec.target.index}:{self.spec.trigger.at_step}"}
 
-    def due(self, observation: Observation) -> bool:
+    def due(self, observation: Observation, previous: Previous | None = START) -> bool:
         step = self.spec.trigger.at_step or 0
-        return not self.record.fired and observation.step >= step - 1
+        return self.fired is None and observation.step >= step - 1
 
     def act(self, env: ChaosEnv) -> list[FollowUp]:
         self.record.target = f"rank {self.spec.target.index}"
@@ -553,6 +587,12 @@ def _kill_if_running(node: Node) -> str:
 # -- the checkpoint store as chaos sees it ---------------------------------------------------
 
 
+def in_flight(without_manifest: set[int], committed: set[int]) -> frozenset[int]:
+    """Steps whose save is in flight: no manifest yet, and newer than every committed step."""
+    newest = max(committed, default=-1)
+    return frozenset(step for step in without_manifest if step > newest)
+
+
 @dataclass(frozen=True)
 class Commit:
     """A committed checkpoint the runner saw: its step, data digest and world size, and when."""
@@ -592,17 +632,19 @@ class CheckpointStore:
         return bool(self.fs.exists(self.path(step, MANIFEST)))
 
     def scan(self) -> frozenset[int]:
-        """Look at the root once: record new commits, return the steps without a manifest (unfinished saves)."""
-        unfinished = set()
+        """Look at the root once: record new commits; return the saves in flight, i.e. the steps without a
+        manifest newer than every committed one (an older directory without one is being removed by retention,
+        or is the leftover of a failed save)."""
+        missing = set()
         for step in self.steps():
             manifest = self._read_manifest(step)
             if manifest is None:
                 self.committed.pop(step, None)
-                unfinished.add(step)
+                missing.add(step)
             elif self.committed.get(step) != manifest["token"]:
                 self.committed[step] = manifest["token"]
                 self.commits.append(Commit(step, manifest["data_digest"], manifest["world_size"], time.time()))
-        return frozenset(unfinished)
+        return in_flight(missing, set(self.committed))
 
     def _read_manifest(self, step: int) -> dict[str, Any] | None:
         try:

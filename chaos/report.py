@@ -78,13 +78,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"{', '.join(map(str, report['world_sizes']))} | {report['resumes']} resume(s) | reference at world size "
         f"{report['reference']['world_size']}",
         "",
+        "Times are seconds after the fault: the job noticed it (detect), the torchrun agents completed a "
+        "rendezvous round, the new workers formed their process group, and completed their first step.",
+        "",
         "| check | result | detail |",
         "|---|---|---|",
         *(f"| {check['name']} | {'pass' if check['passed'] else 'FAIL'} | {_cell(check['message'])} |"
           for check in report["checks"]),
         "",
-        "| fault | fired (s) | target | detect (s) | re-rendezvous (s) | first step (s) | steps redone | world after | notes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| fault | fired (s) | target | detect (s) | agents rdzv (s) | process group (s) | first step (s) "
+        "| steps redone | world after | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(_fault_row(fault) for fault in report["faults"]),
     ]
     if report.get("timeline_png"):
@@ -99,7 +103,7 @@ def _fault_row(fault: dict[str, Any]) -> str:
     if fault["overlapped"]:
         notes += " (next fault fired before recovery)"
     cells = [fault["label"], _num(fault["fired_at_s"]), fault["target"] or "-", _num(fault["detect_s"]),
-             _num(fault["rendezvous_s"]), _num(fault["first_step_s"]), _num(fault["steps_redone"]),
+             _num(fault["agents_rendezvous_s"]), _num(fault["rendezvous_s"]), _num(fault["first_step_s"]), _num(fault["steps_redone"]),
              _num(fault["world_size_after"]), _cell(notes)]
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
 

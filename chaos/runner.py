@@ -32,7 +32,18 @@ from typing import Any, TextIO
 
 from chaos.cluster import JobSpec, LocalCluster, Node
 from chaos.etcd import EtcdCluster, EtcdServer, find_etcd_binary, start_with_port_retries
-from chaos.faults import ChaosEnv, CheckpointStore, CrashWorker, Fault, FollowUp, Observation, SpotServer, make_faults
+from chaos.faults import (
+    START,
+    ChaosEnv,
+    CheckpointStore,
+    CrashWorker,
+    Fault,
+    FollowUp,
+    Observation,
+    Previous,
+    SpotServer,
+    make_faults,
+)
 from chaos.s3 import BUCKET, MotoServer, S3ProcessError, StorageProxy, client_env, storage_options
 from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
@@ -294,7 +305,7 @@ class ScenarioRun:
         if now - self.scanned_at >= self.scan_every:
             self.scanned_at = now
             self.unfinished = self._scan()
-        return Observation(now - self.started, self.metrics.step, self.unfinished)
+        return Observation(now - self.started, self.metrics.step, self.metrics.world_size, self.unfinished)
 
     def _scan(self) -> frozenset[int]:
         try:
@@ -304,12 +315,15 @@ class ScenarioRun:
             return self.unfinished
 
     def fire_due(self, observation: Observation, now: float) -> None:
+        previous: Previous | None = START
         for fault in self.faults:
-            if fault.due(observation):
+            if fault.due(observation, previous):
                 fired = fault.fire(self.env)
+                fault.fired = Previous(now - self.started, observation.step)
                 self.progress.note = f"{fault.record.label} -> {fault.record.target or '-'}"
                 for follow_up in fired.follow_ups:
                     self.schedule.add(now, fault, follow_up)
+            previous = fault.fired
 
     def run_follow_ups(self, now: float) -> None:
         for fault, follow_up in self.schedule.due(now):

@@ -190,6 +190,10 @@ class StorageProxy:
     def close(self) -> None:
         """Stop accepting, reset every connection, join the accept thread."""
         self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             doomed = list(self._connections)

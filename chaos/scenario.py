@@ -23,7 +23,8 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
 
     [[faults]]
     kind = "kill-worker"
-    at_step = 60                  # and/or at_s = 12.5, and/or during_save = true
+    at_step = 60                  # and/or at_s = 12.5; after_s = 5 or after_steps = 50 (after the
+                                  # previous fault); world_size = 2; during_save = true (all must hold)
     target = "rank:1"             # "rank:N", "node:N", "random" or "newest", as the kind allows
 
 :func:`load_scenario` parses and validates; every problem found is reported at once, each
@@ -109,6 +110,12 @@ class Trigger:
     """Seconds after the first node started."""
     at_step: int | None = None
     """The job logged this step (or a later one)."""
+    after_s: float | None = None
+    """Seconds after the previous fault of the schedule fired (the first fault: after the start)."""
+    after_steps: int | None = None
+    """Steps beyond the newest one logged when the previous fault fired (so the job recovered from it)."""
+    world_size: int | None = None
+    """The newest step was logged at this world size (e.g. a node that was added has joined)."""
     during_save: bool = False
     """Then, during the next checkpoint save: a new ``step-*`` directory without a manifest appeared."""
 
@@ -302,6 +309,9 @@ def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
     trigger = Trigger(
         at_s=reader.number("at_s", minimum=0.0),
         at_step=reader.integer("at_step", minimum=1),
+        after_s=reader.number("after_s", minimum=0.0),
+        after_steps=reader.integer("after_steps", minimum=1),
+        world_size=reader.integer("world_size", minimum=1),
         during_save=reader.boolean("during_save", default=kind == "kill-during-save"),
     )
     spec = FaultSpec(
@@ -315,8 +325,10 @@ def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
         label=reader.string("label") or f"{index}:{kind}",
     )
     reader.reject_unknown()
-    if kind and trigger.at_s is None and trigger.at_step is None and not trigger.during_save:
-        problems.append(f"faults[{index}]: give at least one trigger (at_s, at_step or during_save)")
+    given = (trigger.at_s, trigger.at_step, trigger.after_s, trigger.after_steps, trigger.world_size)
+    if kind and all(value is None for value in given) and not trigger.during_save:
+        problems.append(f"faults[{index}]: give at least one trigger (at_s, at_step, after_s, after_steps, world_size "
+                        "or during_save)")
     return spec
 
 
@@ -353,12 +365,15 @@ def fault_problems(faults: tuple[FaultSpec, ...], cluster: ClusterConfig) -> lis
             problems.append(f"{key}: needs cluster.etcd = 'cluster' and rdzv_backend = 'etcd-v3'")
         if kind.needs == "s3" and cluster.checkpoint != "s3":
             problems.append(f"{key}: needs cluster.checkpoint = 's3'")
-        if fault.kind == "crash-worker" and (fault.trigger.at_step is None or fault.trigger.at_s is not None
-                                             or fault.trigger.during_save):
+        trigger = fault.trigger
+        if fault.kind == "crash-worker" and (trigger.at_step is None or trigger != Trigger(at_step=trigger.at_step)):
             problems.append(f"{key}.at_step: crash-worker fires inside the job (ELASTIC_DDP_FAULT) at a step of "
                             "its first launch: give at_step alone")
         if fault.kind == "kill-during-save" and not fault.trigger.during_save:
             problems.append(f"{key}.during_save: kill-during-save always waits for a save; leave it true")
+        most = cluster.max_nodes * cluster.nproc_per_node
+        if trigger.world_size is not None and trigger.world_size > most:
+            problems.append(f"{key}.world_size: {trigger.world_size} is more than the cluster's largest world size {most}")
         if fault.target.form == "node" and fault.target.index >= cluster.start_nodes + _added(faults):
             problems.append(f"{key}.target: node:{fault.target.index} is never started "
                             f"({cluster.start_nodes} start, {_added(faults)} added)")

@@ -170,6 +170,7 @@ _AGENT_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("agent-failure", re.compile(r"failed \(exitcode: -?\d+\) local_rank|Worker group (FAILED|UNHEALTHY)")),
     ("new-nodes", re.compile(r"Detected \d+ new nodes")),
     ("agent-signal", re.compile(r"Received \S+ death signal")),
+    ("agent-rendezvous", re.compile(r"Rendezvous complete for workers")),
 ]
 
 DETECTION_KINDS = frozenset({"exit", "stop", "agent-failure", "new-nodes", "agent-signal", "watchdog", "spot"})
@@ -374,8 +375,10 @@ class FaultMetrics:
 
     detect_s: float | None = None
     """Fault -> the first line showing the job noticed (an exit, a stop agreed, the agent seeing a failure)."""
+    agents_rendezvous_s: float | None = None
+    """Fault -> the first rendezvous round the torchrun agents completed after it was noticed."""
     rendezvous_s: float | None = None
-    """Fault -> the first process group formed after it (a new generation)."""
+    """Fault -> the first process group formed after it: the new workers started and met (a new generation)."""
     first_step_s: float | None = None
     """Fault -> the first step completed after that rendezvous."""
     steps_redone: int | None = None
@@ -388,13 +391,22 @@ class FaultMetrics:
 
 def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepRecord],
                   next_fault_at: float | None) -> FaultMetrics:
-    """Recovery figures for one fired fault, from the log events and step records after it."""
+    """Recovery figures for one fired fault, from the log events and step records after it.
+
+    Only a detection before ``next_fault_at`` counts (a fault the job did not notice by then gets no figures);
+    the recovery it started may end after the next fault fired (``overlapped``).
+    """
     if record.fired_at is None:
         return FaultMetrics()
     start = record.fired_at - 0.002  # log stamps are truncated to milliseconds
-    detected = _earliest(event for event in events if event.kind in DETECTION_KINDS and event.time >= start)
-    formed = _earliest(event for event in events if event.kind == "pg-formed"
-                       and event.time >= (detected.time if detected else start))
+    window_end = next_fault_at if next_fault_at is not None else float("inf")
+    detected = _earliest(event for event in events
+                         if event.kind in DETECTION_KINDS and start <= event.time < window_end)
+    if detected is None:
+        return FaultMetrics()  # not noticed before the next fault: whatever follows is that one's
+    noticed = detected.time
+    agents = _earliest(event for event in events if event.kind == "agent-rendezvous" and event.time >= noticed)
+    formed = _earliest(event for event in events if event.kind == "pg-formed" and event.time >= noticed)
     first_step = _earliest(step for step in steps if formed is not None and step.time > formed.time)
     resumed = _earliest(event for event in events if event.kind == "resumed" and event.time >= start)
     redone = None
@@ -403,7 +415,8 @@ def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepR
         redone = max(0, max(before, default=0) - resumed.step)
     end = first_step.time if first_step is not None else None
     return FaultMetrics(
-        detect_s=_since(detected.time if detected else None, record.fired_at),
+        detect_s=_since(detected.time, record.fired_at),
+        agents_rendezvous_s=_since(agents.time if agents else None, record.fired_at),
         rendezvous_s=_since(formed.time if formed else None, record.fired_at),
         first_step_s=_since(end, record.fired_at),
         steps_redone=redone,
@@ -413,12 +426,17 @@ def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepR
     )
 
 
+SIMULTANEOUS_S = 1.0
+"""Faults fired this close together are one event: they share the recovery figures."""
+
+
 def all_fault_metrics(facts: RunFacts) -> list[FaultMetrics]:
-    """:func:`fault_metrics` for every fault, each bounded by the next fault's firing time."""
+    """:func:`fault_metrics` for every fault; what the job noticed counts for a fault only until the next
+    fault fired (more than :data:`SIMULTANEOUS_S` later)."""
     times = sorted(record.fired_at for record in facts.faults if record.fired_at is not None)
     result = []
     for record in facts.faults:
-        later = [when for when in times if record.fired_at is not None and when > record.fired_at]
+        later = [when for when in times if record.fired_at is not None and when > record.fired_at + SIMULTANEOUS_S]
         result.append(fault_metrics(record, facts.events, facts.steps, min(later, default=None)))
     return result
 

@@ -1,0 +1,101 @@
+"""Whole elastic jobs under faults, verified against a clean reference run (``python -m chaos``'s runner).
+
+The default set is two runs (a few minutes on a busy 2-core machine):
+
+- ``ci-mix``: one job through a killed worker, a node killed during a checkpoint save, a
+  replacement node joining, an etcd restart, and a preemption; every check must pass;
+- a negative control: a job that forgets its data position on resume must fail the
+  ``data-digest`` check, naming the step.
+
+``-m slow`` adds the long mixed scenarios (spot-day, bad-hour, flapping-node) and every
+single-fault scenario of the library.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from chaos.report import build_report, markdown, write_report
+from chaos.runner import RunOptions, run_scenario
+from chaos.scenario import Scenario, load_scenario, parse_scenario
+from chaos.verify import Check, RunFacts, run_checks
+
+pytestmark = pytest.mark.integration
+
+FORGETFUL = str(Path(__file__).with_name("forgetful_train.py"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Reference runs, shared by the tests of this module."""
+    return tmp_path_factory.mktemp("chaos-cache")
+
+
+def run(scenario: Scenario, tmp_path: Path, cache_dir: Path) -> tuple[RunFacts, list[Check], str]:
+    """Run a scenario; its facts, checks and the Markdown report (also written to tmp_path/report)."""
+    progress = io.StringIO()
+    facts = run_scenario(scenario, RunOptions(workdir=tmp_path / "work", cache_dir=cache_dir, progress=progress))
+    checks = run_checks(facts)
+    report = build_report(scenario, facts, checks)
+    write_report(report, facts, tmp_path / "report")
+    return facts, checks, markdown(report)
+
+
+def failures(checks: list[Check]) -> list[str]:
+    return [f"{check.name}: {check.message}" for check in checks if not check.passed]
+
+
+def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, cache_dir: Path) -> None:
+    facts, checks, text = run(load_scenario("ci-mix"), tmp_path, cache_dir)
+    assert not failures(checks), text
+    assert [record.kind for record in facts.faults if record.fired] == [
+        "kill-worker", "kill-during-save", "add-node", "restart-etcd", "preempt-node"], text
+    assert {step.world_size for step in facts.steps} == {1, 2}, text
+    resumes = [event for event in facts.events if event.kind == "resumed"]
+    assert len(resumes) >= 3, text
+    joined = [event for event in facts.events if event.kind == "pg-formed" and event.node == "node2"]
+    assert joined, "the replacement node never joined:\n" + text
+
+
+def forgetful_scenario() -> Scenario:
+    """One node, one worker killed at step 30: the restart resumes from step 20 with the data position lost."""
+    return parse_scenario({
+        "name": "forgetful-resume",
+        "description": "negative control: a job that does not restore its data position",
+        "timeout_s": 180,
+        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5"], "max_steps": 80, "checkpoint_every": 20},
+        "cluster": {"nodes": "1", "start_nodes": 1, "rdzv_backend": "c10d", "etcd": "none"},
+        "faults": [{"kind": "kill-worker", "at_step": 30, "target": "rank:0"}],
+    }, "forgetful")
+
+
+def test_a_job_that_forgets_its_data_position_fails_the_data_check_naming_the_step(tmp_path: Path, cache_dir: Path) -> None:
+    facts, checks, text = run(forgetful_scenario(), tmp_path, cache_dir)
+    failed = {check.name: check.message for check in checks if not check.passed}
+    assert set(failed) == {"data-digest", "model-weights"}, text  # other samples, hence other weights
+    assert "the checkpoint of step 40 consumed other samples than the reference run" in failed["data-digest"], text
+    assert "last matching checkpoint: step 20" in failed["data-digest"], text
+    assert any(event.kind == "resumed" and event.step == 20 for event in facts.events), text
+
+
+MIXED = ["spot-day", "bad-hour", "flapping-node"]
+SINGLE = ["kill-worker", "crash-worker", "kill-node", "preempt-node", "spot-notice", "hang-worker", "hang-node",
+          "add-node", "remove-node", "restart-etcd", "kill-etcd-leader", "storage-outage", "slow-storage",
+          "corrupt-checkpoint", "kill-during-save", "demo"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MIXED)
+def test_a_long_mixed_scenario_passes_every_check(name: str, tmp_path: Path, cache_dir: Path) -> None:
+    _, checks, text = run(load_scenario(name), tmp_path, cache_dir)
+    assert not failures(checks), text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SINGLE)
+def test_a_single_fault_scenario_passes_every_check(name: str, tmp_path: Path, cache_dir: Path) -> None:
+    _, checks, text = run(load_scenario(name), tmp_path, cache_dir)
+    assert not failures(checks), text

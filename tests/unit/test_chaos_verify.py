@@ -1,0 +1,262 @@
+"""The chaos verifier over synthetic facts: log parsing, each check, recovery metrics and goodput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from chaos.faults import Commit, FaultRecord
+from chaos.report import build_report, markdown
+from chaos.scenario import parse_scenario
+from chaos.verify import (
+    CheckpointFacts,
+    LogEvent,
+    NodeOutcome,
+    ReferenceFacts,
+    RunFacts,
+    StepRecord,
+    WeightComparison,
+    check_data,
+    check_faults_fired,
+    check_final_checkpoint,
+    check_loads,
+    check_survivors,
+    check_weights,
+    fault_metrics,
+    goodput,
+    parse_log,
+    parse_metrics,
+    run_checks,
+)
+
+T0 = 1_800_000_000.0
+ROOT = "/w/ckpt"
+
+
+def digest(step: int, salt: str = "0") -> str:
+    """A 64-character stand-in for a sha256 digest; another ``salt`` gives another digest of the same step."""
+    return f"{salt}{step:063d}"
+
+
+def reference(world_size: int = 2) -> ReferenceFacts:
+    final = CheckpointFacts(f"{ROOT}/step-00000100", 100, world_size, "m" * 64, digest(100))
+    return ReferenceFacts(world_size, "/ref/ckpt", final, {step: digest(step) for step in range(20, 101, 20)}, 10.0)
+
+
+def steps(first: int, last: int, start: float, world: int = 2, dt: float = 0.1) -> list[StepRecord]:
+    return [StepRecord(step, start + dt * (step - first + 1), world, dt) for step in range(first, last + 1)]
+
+
+def event(when: float, kind: str, **fields: object) -> LogEvent:
+    return LogEvent(T0 + when, fields.pop("node", "node0"), kind, **fields)  # type: ignore[arg-type]
+
+
+def clean_facts() -> RunFacts:
+    """One interruption: rank 1 killed at t=5.0 (step 45); resumed from step 40 at t=9."""
+    final = CheckpointFacts(f"{ROOT}/step-00000100", 100, 2, "m" * 64, digest(100))
+    commits = [Commit(step, digest(step), 2, T0 + step * 0.1 + 0.05) for step in (20, 40, 60, 80, 100)]
+    events = [
+        event(0.0, "fresh", rank=0, world_size=2),
+        event(4.05, "committed", rank=0, path=f"{ROOT}/step-00000040"),
+        event(5.3, "agent-failure", node="node1"),
+        event(6.0, "agent-rendezvous"),
+        event(8.0, "pg-formed", rank=0, world_size=2),
+        event(9.0, "resumed", rank=0, step=40, path=f"{ROOT}/step-00000040", world_size=2),
+        event(20.0, "done", rank=0, step=100),
+    ]
+    records = [*steps(1, 45, T0), *steps(41, 100, T0 + 9.0)]
+    fault = FaultRecord(0, "kill-worker", "0:kill-worker", fired_at=T0 + 5.0, target="rank 1 (pid 7)", detail="SIGKILL")
+    return RunFacts("t", 100, T0 - 2.0, T0 + 15.0, False, [NodeOutcome("node0", 0), NodeOutcome("node1", 0)], [fault],
+                    records, events, commits, final, "", reference())
+
+
+# -- parsing ----------------------------------------------------------------------------
+
+
+def test_runtime_and_agent_lines_become_events() -> None:
+    log = "\n".join([
+        "2026-11-30 03:19:27,588 INFO [run/0 -] elastic_ddp.distributed: process group formed: rank 0/4 backend=gloo",
+        "2026-11-30 03:19:32,462 INFO [run/0 60] elastic_ddp.trainer: resumed from s3://b/p/step-00000060: step 60, "
+        "epoch 0, cursor 3840 (saved at world size 4, now 2)",
+        "2026-11-30 03:19:33,408 INFO [run/0 80] elastic_ddp.checkpoint.manager: committed checkpoint /c/step-00000080 "
+        "(3 files, 0.3 MB)",
+        "2026-11-30 03:19:34,000 ERROR [run/1 80] elastic_ddp.resilience.exits: exit: reason=peer-lost status=75",
+        "E1130 03:19:35.250000 11719 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+        "local_rank: 0 (pid: 15406) of binary: python",
+        "I1130 03:19:36.500000 11719 torch/distributed/elastic/agent/server/api.py:553] [default] Rendezvous complete "
+        "for workers. Result:",
+        "[rank0]: RuntimeError: Connection reset by peer",
+        "2026-11-30 03:19:37,000 ERROR [run/0 -] elastic_ddp.entry: no valid checkpoint under /c: bad",
+    ])
+    events = parse_log(log, "node3", 2026)
+    assert [e.kind for e in events] == ["pg-formed", "resumed", "committed", "exit", "agent-failure",
+                                        "agent-rendezvous", "load-error"]
+    assert events[0].world_size == 4 and events[0].node == "node3"
+    resumed = events[1]
+    assert (resumed.path, resumed.step, resumed.world_size, resumed.rank) == ("s3://b/p/step-00000060", 60, 2, 0)
+    assert events[2].path == "/c/step-00000080"
+    base = time.mktime(time.strptime("2026-11-30 03:19:27", "%Y-%m-%d %H:%M:%S"))
+    assert events[0].time == pytest.approx(base + 0.588)
+    assert events[4].time == pytest.approx(base + 8.25)
+
+
+def test_metrics_lines_without_a_loss_or_half_written_are_skipped() -> None:
+    lines = ['{"step": 1, "loss": 2.0, "world_size": 2, "time": 5.0, "step_time_s": 0.1}',
+             '{"step": 1, "eval_accuracy": 0.5, "time": 5.1}', '{"event": "done", "loss": 1.0, "step": 1}', '{"step": 2, "lo']
+    assert parse_metrics(lines) == [StepRecord(1, 5.0, 2, 0.1)]
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def test_a_clean_recovery_passes_every_check() -> None:
+    checks = run_checks(clean_facts())
+    assert [c.name for c in checks] == ["job-finished", "faults-fired", "survivors-exit-0", "final-checkpoint",
+                                        "data-digest", "model-weights", "no-partial-load"]
+    assert all(c.passed for c in checks), checks
+
+
+def test_a_diverging_data_digest_names_the_first_bad_step() -> None:
+    facts = clean_facts()
+    commits = [c if c.step < 60 else replace(c, data_digest=digest(c.step, "x")) for c in facts.commits]
+    check = check_data(commits, facts.reference, facts.final)
+    assert not check.passed
+    assert "the checkpoint of step 60 consumed other samples than the reference run" in check.message
+    assert "last matching checkpoint: step 40" in check.message
+
+
+def test_a_final_digest_that_differs_fails_even_when_no_step_is_comparable() -> None:
+    facts = clean_facts()
+    final = replace(facts.final, data_digest=digest(1, "y"))
+    check = check_data([], facts.reference, final)
+    assert not check.passed and "the final checkpoint (step 100)" in check.message
+
+
+def test_weights_must_be_bitwise_equal_when_the_world_size_never_changed() -> None:
+    facts = clean_facts()
+    check = check_weights(facts.steps, replace(facts.final, model_digest="z" * 64), facts.reference, None)
+    assert not check.passed and "step 100" in check.message and "never changed (2)" in check.message
+
+
+def test_weights_after_a_world_size_change_are_compared_within_the_tolerance() -> None:
+    facts = clean_facts()
+    mixed = [*facts.steps[:10], *[replace(s, world_size=1) for s in facts.steps[10:]]]
+    final = replace(facts.final, model_digest="z" * 64)
+    assert check_weights(mixed, final, facts.reference, WeightComparison(False, True, 3e-8, "fc.weight")).passed
+    failed = check_weights(mixed, final, facts.reference, WeightComparison(False, False, 0.02, "fc.weight"))
+    assert not failed.passed and "step 100: fc.weight differs by 0.02" in failed.message
+
+
+def test_a_survivor_that_failed_is_named_and_removed_nodes_are_not_judged() -> None:
+    nodes = [NodeOutcome("node0", 1), NodeOutcome("node1", -9, removed_by="1:kill-node"), NodeOutcome("node2", None)]
+    check = check_survivors(nodes)
+    assert not check.passed and check.message == "node0 exited 1; node2 still ran at the end"
+    assert check_survivors([NodeOutcome("node0", 0), NodeOutcome("node1", -9, "x")]).passed
+
+
+def test_a_final_checkpoint_short_of_max_steps_fails_naming_its_step() -> None:
+    facts = clean_facts()
+    check = check_final_checkpoint(replace(facts.final, step=80), "", 100)
+    assert not check.passed and "step 80, not 100" in check.message
+    assert not check_final_checkpoint(None, "step-00000100/x: sha256 mismatch", 100).passed
+
+
+def test_a_fault_that_never_fired_fails_the_run() -> None:
+    check = check_faults_fired([FaultRecord(0, "add-node", "0:add-node", skipped="the job ended before its trigger")])
+    assert not check.passed and "0:add-node (the job ended before its trigger)" in check.message
+
+
+def test_a_resume_from_a_corrupted_checkpoint_is_a_partial_load() -> None:
+    facts = clean_facts()
+    corrupt = FaultRecord(1, "corrupt-checkpoint", "1:corrupt", fired_at=T0 + 6.0,
+                          target=f"{ROOT}/step-00000040/replicated-x.eddp")
+    check = check_loads(facts.events, facts.commits, [*facts.faults, corrupt])
+    assert not check.passed and "resume at step 40" in check.message and "corrupted" in check.message
+
+
+def test_a_resume_from_a_step_never_committed_is_a_partial_load() -> None:
+    facts = clean_facts()
+    events = [e for e in facts.events if e.kind != "committed"]
+    check = check_loads(events, [c for c in facts.commits if c.step != 40], facts.faults)
+    assert not check.passed and "step-00000040 was never seen committed before it was loaded" in check.message
+
+
+def test_a_resume_after_an_uncommit_without_a_new_commit_is_a_partial_load() -> None:
+    facts = clean_facts()
+    events = [*facts.events, event(8.5, "uncommitted", rank=0, path=f"{ROOT}/step-00000040")]
+    check = check_loads(sorted(events, key=lambda e: e.time), [], facts.faults)
+    assert not check.passed and "un-committed" in check.message
+
+
+def test_a_load_error_line_fails_the_load_check() -> None:
+    facts = clean_facts()
+    events = [*facts.events, event(8.7, "load-error", rank=1, text="step-00000040/rank-1.eddp: size 3 bytes")]
+    check = check_loads(events, facts.commits, facts.faults)
+    assert not check.passed and "node0 rank 1: load error" in check.message
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def test_recovery_metrics_are_measured_from_the_fault() -> None:
+    facts = clean_facts()
+    metrics = fault_metrics(facts.faults[0], facts.events, facts.steps, None)
+    assert metrics.detect_s == pytest.approx(0.3)
+    assert metrics.agents_rendezvous_s == pytest.approx(1.0)
+    assert metrics.rendezvous_s == pytest.approx(3.0)
+    assert metrics.first_step_s == pytest.approx(4.1)
+    assert metrics.steps_redone == 5 and metrics.resumed_step == 40 and metrics.world_size_after == 2
+    assert not metrics.overlapped
+
+
+def test_a_fault_the_job_never_noticed_has_no_recovery_figures() -> None:
+    record = FaultRecord(0, "restart-etcd", "0:restart-etcd", fired_at=T0 + 50.0)
+    metrics = fault_metrics(record, clean_facts().events, clean_facts().steps, None)
+    assert metrics.detect_s is None and metrics.rendezvous_s is None and metrics.steps_redone is None
+
+
+def test_what_the_job_noticed_after_the_next_fault_is_not_this_faults() -> None:
+    facts = clean_facts()
+    record = FaultRecord(1, "restart-etcd", "1:restart-etcd", fired_at=T0 + 4.0)
+    assert fault_metrics(record, facts.events, facts.steps, T0 + 5.0).detect_s is None
+
+
+def test_a_next_fault_before_recovery_marks_the_overlap() -> None:
+    facts = clean_facts()
+    assert fault_metrics(facts.faults[0], facts.events, facts.steps, T0 + 7.0).overlapped
+
+
+def test_goodput_counts_only_the_last_execution_of_each_step() -> None:
+    # 45 steps of 0.1 s, 5 of them (41-45) lost, then 60 steps of 0.1 s; 17 s of wall time
+    facts = clean_facts()
+    value = goodput(facts.steps, [T0, T0 + 9.0], facts.started_at, facts.ended_at)
+    assert value == pytest.approx(100 * 0.1 / 17.0)
+
+
+def test_goodput_of_an_uninterrupted_run_is_its_step_time_over_wall_time() -> None:
+    records = steps(1, 50, T0, dt=0.2)
+    assert goodput(records, [T0], T0, T0 + 10.0) == pytest.approx(1.0)
+    assert goodput([], [], T0, T0 + 10.0) == 0.0
+
+
+def test_goodput_uses_the_step_time_for_the_first_step_of_an_attempt() -> None:
+    # a resume at t=5 (emergency checkpoint of step 10): the gap from step 10 to 11 is not step time
+    records = [*steps(1, 10, T0, dt=0.1), StepRecord(11, T0 + 8.0, 1, 0.15), StepRecord(12, T0 + 8.1, 1, 0.1)]
+    assert goodput(records, [T0, T0 + 5.0], T0, T0 + 10.0) == pytest.approx((1.0 + 0.15 + 0.1) / 10.0)
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def test_the_report_has_one_entry_per_fault_and_a_table_row_per_check() -> None:
+    scenario = parse_scenario({"name": "t", "job": {"script": "examples/train.py", "max_steps": 100, "checkpoint_every": 20},
+                               "cluster": {"nodes": "1:2", "start_nodes": 2},
+                               "faults": [{"kind": "kill-worker", "at_step": 45, "target": "rank:1"}]})
+    facts = clean_facts()
+    report = build_report(scenario, facts, run_checks(facts))
+    assert report["passed"] and report["faults"][0]["steps_redone"] == 5 and report["faults"][0]["fired_at_s"] == 7.0
+    text = markdown(report)
+    assert "# Chaos: t - PASSED" in text and "| data-digest | pass |" in text
+    assert "| 0:kill-worker | 7.0 | rank 1 (pid 7) | 0.3 | 1.0 | 3.0 | 4.1 | 5 | 2 | SIGKILL |" in text
