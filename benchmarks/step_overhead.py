@@ -152,7 +152,7 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                __file__, "--rounds", str(args.rounds), "--steps", str(args.steps)]
     sys.exit(subprocess.call(command, env=env, cwd=REPO))
