@@ -30,7 +30,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -323,18 +324,20 @@ class EtcdCluster:
         raise EtcdProcessError("no etcd leader elected within %.1fs" % timeout)
 
 
-def start_with_port_retries(
-    factory: Callable[[int], EtcdServer | EtcdCluster], retries: int = _PORT_RETRIES
-) -> EtcdServer | EtcdCluster:
-    """Build with ``factory(attempt)`` and start; rebuild on fresh ports if the start fails.
+def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _PORT_RETRIES) -> EtcdServer | EtcdCluster:
+    """Start one member (``kind`` ``embedded``) or a 3-member cluster (``cluster``) on fresh ports under ``base_dir``.
 
-    Ports come from :func:`free_ports` and may be taken by someone else before etcd
-    binds them; a fresh set of ports (and a fresh data directory per attempt, since
-    etcd remembers its peer URLs there) then fixes the start.
+    Each attempt is registered on ``stack`` for shutdown before it starts, so an interrupt during the
+    start leaves no process behind. Ports come from :func:`free_ports` and may be taken by someone else
+    before etcd binds them; a fresh set of ports (and a fresh data directory, since etcd remembers its
+    peer URLs there) then fixes the start.
     """
+    binary = find_etcd_binary()
     last_error: EtcdProcessError | None = None
-    for attempt in range(retries):
-        server = factory(attempt)
+    for attempt in range(attempts):
+        base = base_dir / ("etcd-%d" % attempt)
+        server = EtcdCluster.create(binary, base, 3) if kind == "cluster" else EtcdServer.create(binary, base / "data")
+        stack.callback(server.stop)
         try:
             server.start()
             return server
@@ -342,4 +345,4 @@ def start_with_port_retries(
             server.stop()
             last_error = exc
             logger.warning("etcd start failed, retrying on fresh ports: %s", exc)
-    raise EtcdProcessError("etcd did not start after %d attempts" % retries) from last_error
+    raise EtcdProcessError("etcd did not start after %d attempts: %s" % (attempts, last_error))

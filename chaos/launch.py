@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from chaos.cluster import JobSpec, LocalCluster
-from chaos.etcd import EtcdServer, find_etcd_binary, start_with_port_retries
+from chaos.etcd import start_etcd
 from chaos.scenario import ETCD_CONF, RDZV_CONF, ScenarioError
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,7 @@ def launch(args: argparse.Namespace) -> int:
 def _rendezvous_endpoint(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> str:
     if args.rdzv_backend != "etcd-v3" or args.etcd:
         return args.etcd
-    binary = find_etcd_binary()
-    server = start_with_port_retries(lambda attempt: EtcdServer.create(binary, workdir / f"etcd-{attempt}" / "data"))
-    stack.callback(server.stop)
+    server = start_etcd("embedded", workdir, stack)
     print(f"embedded etcd at {server.endpoint} (pid {server.pid})", file=sys.stderr)
     return server.endpoint
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.scenario import Scenario
-from chaos.verify import Check, RunFacts, all_fault_metrics, attempt_starts, facts_summary, goodput
+from chaos.verify import Check, RunFacts, all_fault_metrics, attempt_starts, facts_summary, first_step_began, goodput
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +33,16 @@ class ReportFiles:
 def build_report(scenario: Scenario, facts: RunFacts, checks: list[Check]) -> dict[str, Any]:
     """Everything measured and checked, as plain data (times in seconds since the run started)."""
     metrics = all_fault_metrics(facts)
+    starts = attempt_starts(facts.events)
+    began = first_step_began(facts.steps) or facts.ended_at
     return {
         "scenario": scenario.name,
         "description": scenario.description,
         "passed": all(check.passed for check in checks),
         "wall_s": round(facts.ended_at - facts.started_at, 2),
-        "goodput": round(goodput(facts.steps, attempt_starts(facts.events), facts.started_at, facts.ended_at), 4),
+        "goodput": round(goodput(facts.steps, starts, facts.started_at, facts.ended_at), 4),
+        "startup_s": round(began - facts.started_at, 2),
+        "goodput_after_startup": round(goodput(facts.steps, starts, began, facts.ended_at), 4),
         "reference": {"world_size": facts.reference.world_size, "wall_s": round(facts.reference.wall_s, 1),
                       "checkpoint": facts.reference.checkpoint_uri},
         **facts_summary(facts),
@@ -74,12 +78,14 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         report["description"],
         "",
-        f"wall {report['wall_s']:.0f} s | goodput {100 * report['goodput']:.1f}% | world sizes "
+        f"wall {report['wall_s']:.0f} s | goodput {100 * report['goodput']:.1f}% ({100 * report['goodput_after_startup']:.1f}% "
+        f"after the {report['startup_s']:.0f} s to the first step) | world sizes "
         f"{', '.join(map(str, report['world_sizes']))} | {report['resumes']} resume(s) | reference at world size "
         f"{report['reference']['world_size']}",
         "",
         "Times are seconds after the fault: the job noticed it (detect), the torchrun agents completed a "
-        "rendezvous round, the new workers formed their process group, and completed their first step.",
+        "rendezvous round, the new workers formed their process group, and completed their first step; the "
+        "longest stall is the longest time without a step until the next fault.",
         "",
         "| check | result | detail |",
         "|---|---|---|",
@@ -87,8 +93,8 @@ def markdown(report: dict[str, Any]) -> str:
           for check in report["checks"]),
         "",
         "| fault | fired (s) | target | detect (s) | agents rdzv (s) | process group (s) | first step (s) "
-        "| steps redone | world after | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| longest stall (s) | steps redone | world after | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(_fault_row(fault) for fault in report["faults"]),
     ]
     if report.get("timeline_png"):
@@ -103,7 +109,7 @@ def _fault_row(fault: dict[str, Any]) -> str:
     if fault["overlapped"]:
         notes += " (next fault fired before recovery)"
     cells = [fault["label"], _num(fault["fired_at_s"]), fault["target"] or "-", _num(fault["detect_s"]),
-             _num(fault["agents_rendezvous_s"]), _num(fault["rendezvous_s"]), _num(fault["first_step_s"]), _num(fault["steps_redone"]),
+             _num(fault["agents_rendezvous_s"]), _num(fault["rendezvous_s"]), _num(fault["first_step_s"]), _num(fault["stall_s"]), _num(fault["steps_redone"]),
              _num(fault["world_size_after"]), _cell(notes)]
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
 

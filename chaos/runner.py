@@ -24,14 +24,13 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from chaos.cluster import JobSpec, LocalCluster, Node
-from chaos.etcd import EtcdCluster, EtcdServer, find_etcd_binary, start_with_port_retries
+from chaos.etcd import EtcdCluster, EtcdServer, start_etcd
 from chaos.faults import (
     START,
     ChaosEnv,
@@ -105,8 +104,7 @@ def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Servi
     services = Services(checkpoint_uri=str(workdir / "ckpt"))
     cluster = scenario.cluster
     if cluster.etcd != "none":
-        services.etcd = _start_etcd(cluster.etcd, workdir)
-        stack.callback(services.etcd.stop)
+        services.etcd = start_etcd(cluster.etcd, workdir, stack)
         if cluster.rdzv_backend == "etcd-v3":
             services.rdzv_endpoint = services.etcd.endpoint
     if cluster.checkpoint == "s3":
@@ -117,16 +115,8 @@ def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Servi
     return services
 
 
-def _start_etcd(kind: str, workdir: Path) -> EtcdServer | EtcdCluster:
-    binary = find_etcd_binary()
-    if kind == "cluster":
-        return start_with_port_retries(lambda attempt: EtcdCluster.create(binary, workdir / f"etcd-{attempt}", 3))
-    return start_with_port_retries(lambda attempt: EtcdServer.create(binary, workdir / f"etcd-{attempt}" / "data"))
-
-
 def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) -> None:
-    moto = _start_moto(workdir / "moto.log")
-    stack.callback(moto.stop)
+    moto = _start_moto(workdir / "moto.log", stack)
     proxy = StorageProxy(moto.port).start()
     stack.callback(proxy.close)
     services.proxy = proxy
@@ -136,10 +126,11 @@ def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) ->
     services.store_options = storage_options(moto.endpoint)
 
 
-def _start_moto(log_path: Path, attempts: int = 3) -> MotoServer:
+def _start_moto(log_path: Path, stack: ExitStack, attempts: int = 3) -> MotoServer:
     last: S3ProcessError | None = None
     for _ in range(attempts):  # the port may be taken between choosing and binding it
         server = MotoServer.create(log_path)
+        stack.callback(server.stop)
         try:
             server.start()
             return server
@@ -378,8 +369,7 @@ class ScenarioRun:
             return None, str(exc)
 
 
-def run_scenario(scenario: Scenario, options: RunOptions,
-                 on_started: Callable[[ScenarioRun], None] | None = None) -> RunFacts:
+def run_scenario(scenario: Scenario, options: RunOptions) -> RunFacts:
     """Reference run (cached), then the scenario on a fresh cluster; returns the facts for the checks."""
     workdir = options.workdir
     if workdir.exists() and any(workdir.iterdir()):
@@ -392,8 +382,6 @@ def run_scenario(scenario: Scenario, options: RunOptions,
         run = ScenarioRun(scenario, cluster, services, workdir, options.progress)
         try:
             run.start()
-            if on_started is not None:
-                on_started(run)
             run.loop()
         finally:
             cluster.close()

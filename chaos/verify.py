@@ -200,6 +200,8 @@ def _runtime_event(line: str, node: str) -> LogEvent | None:
         found = pattern.match(message)
         if found:
             groups = found.groupdict()
+            if kind == "exit" and groups["reason"] == "done":
+                kind = "exit-done"  # the run's normal end, not a sign of a fault
             return LogEvent(when, node, kind, int(rank), step=_int(groups.get("step")), path=groups.get("path", ""),
                             world_size=_int(groups.get("world")), text=message)
     return None
@@ -385,6 +387,8 @@ class FaultMetrics:
     """Newest step logged before the resume minus the step resumed from."""
     resumed_step: int | None = None
     world_size_after: int | None = None
+    stall_s: float | None = None
+    """The longest time without a completed step, from the fault until the next one (or the end)."""
     overlapped: bool = False
     """The next fault fired before this one's recovery was complete."""
 
@@ -402,8 +406,9 @@ def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepR
     window_end = next_fault_at if next_fault_at is not None else float("inf")
     detected = _earliest(event for event in events
                          if event.kind in DETECTION_KINDS and start <= event.time < window_end)
-    if detected is None:
-        return FaultMetrics()  # not noticed before the next fault: whatever follows is that one's
+    stall = longest_stall(record.fired_at, steps, window_end)
+    if detected is None:  # not noticed before the next fault: whatever follows is that one's
+        return FaultMetrics(stall_s=stall)
     noticed = detected.time
     agents = _earliest(event for event in events if event.kind == "agent-rendezvous" and event.time >= noticed)
     formed = _earliest(event for event in events if event.kind == "pg-formed" and event.time >= noticed)
@@ -422,8 +427,17 @@ def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepR
         steps_redone=redone,
         resumed_step=resumed.step if resumed else None,
         world_size_after=first_step.world_size if first_step else None,
+        stall_s=stall,
         overlapped=next_fault_at is not None and (end is None or end > next_fault_at),
     )
+
+
+def longest_stall(since: float, steps: list[StepRecord], until: float) -> float | None:
+    """The longest gap without a completed step between ``since`` and ``until`` (None: no step in between)."""
+    times = [since, *sorted(step.time for step in steps if since < step.time < until)]
+    if len(times) < 2:
+        return None
+    return max(later - earlier for earlier, later in zip(times, times[1:]))
 
 
 SIMULTANEOUS_S = 1.0
@@ -461,6 +475,12 @@ def goodput(steps: list[StepRecord], attempt_starts: list[float], started_at: fl
             final[record.step] = record.step_time_s
         previous = record
     return min(1.0, sum(final.values()) / total)
+
+
+def first_step_began(steps: list[StepRecord]) -> float | None:
+    """When the run's first step began (its record's time minus its step time)."""
+    first = min(steps, default=None, key=lambda step: step.time)
+    return None if first is None else first.time - first.step_time_s
 
 
 def attempt_starts(events: list[LogEvent]) -> list[float]:

@@ -208,13 +208,22 @@ def test_recovery_metrics_are_measured_from_the_fault() -> None:
     assert metrics.rendezvous_s == pytest.approx(3.0)
     assert metrics.first_step_s == pytest.approx(4.1)
     assert metrics.steps_redone == 5 and metrics.resumed_step == 40 and metrics.world_size_after == 2
+    assert metrics.stall_s == pytest.approx(4.1)  # from the kill at 5.0 (step 45 done at 4.5) to step 41 at 9.1
     assert not metrics.overlapped
 
 
-def test_a_fault_the_job_never_noticed_has_no_recovery_figures() -> None:
-    record = FaultRecord(0, "restart-etcd", "0:restart-etcd", fired_at=T0 + 50.0)
-    metrics = fault_metrics(record, clean_facts().events, clean_facts().steps, None)
+def test_a_fault_the_job_never_noticed_has_no_recovery_figures_but_its_stall() -> None:
+    facts = clean_facts()
+    record = FaultRecord(0, "storage-outage", "0:storage-outage", fired_at=T0 + 10.0)
+    steps = [s for s in facts.steps if not T0 + 10.0 < s.time < T0 + 13.0]  # no step for 3 s after it
+    metrics = fault_metrics(record, facts.events[:-1], steps, None)
     assert metrics.detect_s is None and metrics.rendezvous_s is None and metrics.steps_redone is None
+    assert metrics.stall_s == pytest.approx(3.0)
+
+
+def test_a_normal_exit_is_not_a_detection() -> None:
+    log = "2026-11-30 03:19:34,000 INFO [run/1 80] elastic_ddp.resilience.exits: exit: reason=done status=0"
+    assert [e.kind for e in parse_log(log, "node0", 2026)] == ["exit-done"]
 
 
 def test_what_the_job_noticed_after_the_next_fault_is_not_this_faults() -> None:
@@ -259,4 +268,4 @@ def test_the_report_has_one_entry_per_fault_and_a_table_row_per_check() -> None:
     assert report["passed"] and report["faults"][0]["steps_redone"] == 5 and report["faults"][0]["fired_at_s"] == 7.0
     text = markdown(report)
     assert "# Chaos: t - PASSED" in text and "| data-digest | pass |" in text
-    assert "| 0:kill-worker | 7.0 | rank 1 (pid 7) | 0.3 | 1.0 | 3.0 | 4.1 | 5 | 2 | SIGKILL |" in text
+    assert "| 0:kill-worker | 7.0 | rank 1 (pid 7) | 0.3 | 1.0 | 3.0 | 4.1 | 4.1 | 5 | 2 | SIGKILL |" in text
