@@ -118,6 +118,7 @@ class SpotMetadata(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # the same agreement and save path as test_preempted_node_loses_no_work; the poller has unit tests
 def test_spot_notice_on_one_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), SpotMetadata)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -170,6 +171,7 @@ def check_no_step_redone_after_checkpoint(workdir: Path, reference: dict) -> Non
     assert final["step"] == STEPS and final["data_digest"] == reference["data_digest"]
 
 
+@pytest.mark.slow  # the chaos set's hang-node scenario covers it too
 def test_stopped_node_is_left_behind_after_the_heartbeat_timeout(tmp_path: Path, reference: dict) -> None:
     with make_cluster(tmp_path, "1:2", HANG_ARGS) as cluster:
         survivor, frozen = cluster.start(2).nodes
@@ -195,6 +197,7 @@ def test_crash_in_one_rank_restarts_and_the_summary_names_it(tmp_path: Path, ref
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
+@pytest.mark.slow  # the digest and the majority rule have unit tests
 def test_divergence_is_detected_naming_the_rank(tmp_path: Path) -> None:
     args = ("--resilience-consistency-every", "10")
     with make_cluster(tmp_path, "1", args, env={"ELASTIC_DDP_FAULT": "corrupt:1:65"}) as cluster:

@@ -94,6 +94,7 @@ def test_world_size_change_keeps_data_exact_and_weights_close(
         assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
 
 
+@pytest.mark.slow  # 4 launches; the in-process ZeRO round trip in tests/unit/test_checkpoint_local.py runs by default
 def test_sharded_optimizer_state_round_trips_bitwise_and_refuses_another_world_size(workdir: Path) -> None:
     zero = ["--optim-zero"]
     straight, split = workdir / "zero-straight", workdir / "zero-split"
