@@ -18,6 +18,7 @@ from elastic_ddp.rendezvous.errors import (
 from elastic_ddp.rendezvous.etcd import (
     BACKEND_NAME,
     EtcdRendezvousBackend,
+    EtcdRendezvousHandler,
     create_backend,
     create_rdzv_handler,
     handler_factory,
@@ -32,6 +33,7 @@ __all__ = [
     "EtcdConnectionError",
     "EtcdRendezvousBackend",
     "EtcdRendezvousError",
+    "EtcdRendezvousHandler",
     "EtcdRendezvousSettings",
     "EtcdStateError",
     "EtcdStore",

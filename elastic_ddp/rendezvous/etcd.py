@@ -10,7 +10,10 @@ torchrun finds :func:`handler_factory` through the ``torchrun.handlers`` entry p
 ``etcd-v3`` (torch's own ``etcd``/``etcd-v2`` speak the v2 API, which etcd 3.6 no
 longer serves; an out-of-tree handler may not reuse a built-in name). The handler is
 torch's ``DynamicRendezvousHandler`` with :class:`EtcdRendezvousBackend` holding the
-state and :class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents' store.
+state and :class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents' store, and two
+additions: every worker-group attempt gets a fresh worker store
+(:func:`use_fresh_worker_store`), and a node that the round dropped while it was cut off
+from etcd re-joins instead of training on beside it (:class:`EtcdRendezvousHandler`).
 ``--rdzv-conf`` keys are listed in :mod:`elastic_ddp.rendezvous.settings`.
 
 Keys (``<p>`` = ``key_prefix``, default ``/elastic_ddp/rdzv/``)::
@@ -68,7 +71,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
-    create_handler,
 )
 
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
@@ -90,7 +92,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     The fencing token is the key's ``mod_revision``; each successful
     :meth:`set_state` is one etcd transaction and yields a new, larger token.
-    The key is attached to this participant's lease, refreshed on every write.
+    The key is attached to this participant's lease, which is refreshed at most every tenth
+    of its TTL: a write is one etcd transaction, which matters when many nodes compete to
+    write (every failed compare-and-swap is retried at once by torch's handler).
 
     Args:
         client: the etcd client.
@@ -140,9 +144,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 return self._current_state_not_written()
             condition = ModRevisionIs(revision)
         payload = _encode_state(state)
-        outcome = self._leases.write(
-            lambda lease: self._client.put_if(self._key, payload, condition, lease), refresh=True
-        )
+        outcome = self._leases.write(lambda lease: self._client.put_if(self._key, payload, condition, lease))
         if outcome.succeeded:
             return state, outcome.revision, True
         if outcome.current is None:
@@ -187,18 +189,60 @@ def _decode_state(payload: bytes) -> bytes:
     return state
 
 
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's ``DynamicRendezvousHandler``, plus: a node that the round went on without re-joins.
+
+    torch removes a node from the round once its last heartbeat is older than
+    ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
+    etcd that long (an etcd outage, a frozen agent) is removed although its workers still
+    train, and torch's agent restarts them only when other nodes wait; the next node to join
+    would then form a round, and a second job, of its own on the same checkpoints (seen with a
+    10 s etcd outage and a 3 s window). Counting this node as waiting makes its agent stop its
+    workers and re-join, so every node is again in one round.
+    """
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round; at least 1 when this node is no longer in the round."""
+        waiting = super().num_nodes_waiting()
+        if waiting == 0 and self._left_behind():
+            return 1
+        return waiting
+
+    def _left_behind(self) -> bool:
+        # torch exposes neither the participants nor this node's descriptor; both are read from
+        # the state that super().num_nodes_waiting() has just synced.
+        state = self._state_holder.state
+        if self._this_node in state.participants:
+            return False
+        logger.warning(
+            "etcd-v3: this node (%s) is no longer a participant of round %d of rendezvous %s: its "
+            "heartbeats did not reach etcd for longer than keep_alive_interval*keep_alive_max_attempt "
+            "(an etcd outage?); restarting the worker group to re-join",
+            self._this_node, state.round, self._settings.run_id,
+        )  # fmt: skip
+        return True
+
+
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Build the backend and the agents' store from torchrun's rendezvous parameters.
 
     Raises:
         EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
+    return _backend_and_store(_settings(params))
+
+
+def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
     settings = EtcdRendezvousSettings.from_config(params.endpoint, params.run_id, params.config)
     logger.info(
         "etcd-v3 rendezvous %s on %s under %s (ttl=%ds, read_timeout=%ds, tls=%s, auth=%s)",
         settings.run_id, ",".join(settings.endpoints), settings.run_prefix, settings.ttl,
         settings.read_timeout, settings.client_options().secure, settings.user is not None,
     )  # fmt: skip
+    return settings
+
+
+def _backend_and_store(settings: EtcdRendezvousSettings) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     client = GrpcEtcdClient(settings.client_options())
     leases = LeaseKeeper(client, settings.ttl)
     backend = EtcdRendezvousBackend(client, settings.run_prefix + "state", leases)
@@ -206,14 +250,22 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     return backend, store
 
 
-def create_rdzv_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    """A ``DynamicRendezvousHandler`` over etcd v3 (what torchrun calls for ``etcd-v3``).
+def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """The ``etcd-v3`` handler for torchrun's rendezvous parameters (what torchrun calls).
 
     Also gives every worker-group attempt a fresh worker store; see :func:`use_fresh_worker_store`.
+
+    Raises:
+        EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
-    backend, store = create_backend(params)
+    settings = _settings(params)
+    backend, store = _backend_and_store(settings)
     use_fresh_worker_store()
-    return create_handler(store, backend, params)
+    return EtcdRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )  # fmt: skip
 
 
 def use_fresh_worker_store() -> None:

@@ -1,11 +1,11 @@
 """The etcd lease that bounds the life of every key one rendezvous participant writes.
 
 etcd deletes the keys attached to a lease when the lease is not refreshed for its
-TTL. The backend attaches the rendezvous state to the writer's lease and refreshes
-it on every ``set_state``; the store attaches its keys to the same lease and
-refreshes it at most every ``ttl / 10`` seconds. A run id that is reused after all
-its agents are gone therefore starts from an empty rendezvous once ``ttl`` has
-passed, instead of seeing stale (closed) rounds forever.
+TTL. The backend attaches the rendezvous state, and the store its keys, to the
+writer's lease, refreshed at most every ``ttl / 10`` seconds, so a key lives at
+least ``0.9 * ttl`` after its last write. A run id that is reused after all its
+agents are gone therefore starts from an empty rendezvous once ``ttl`` has passed,
+instead of seeing stale (closed) rounds forever.
 """
 
 from __future__ import annotations
@@ -45,13 +45,9 @@ class LeaseKeeper:
         """The lease TTL in seconds."""
         return self._ttl
 
-    def write(self, put: Callable[[int], T], refresh: bool = False) -> T:
-        """Call ``put(lease_id)``; on a lease that etcd no longer knows, grant a new one and call it again.
-
-        ``refresh=True`` restarts the lease's TTL before the write even if it was
-        refreshed recently.
-        """
-        lease_id = self.current(refresh)
+    def write(self, put: Callable[[int], T]) -> T:
+        """Call ``put(lease_id)``; on a lease that etcd no longer knows, grant a new one and call it again."""
+        lease_id = self.current()
         try:
             return put(lease_id)
         except EtcdLeaseNotFoundError:
@@ -59,11 +55,11 @@ class LeaseKeeper:
             self._forget(lease_id)
             return put(self.current())
 
-    def current(self, refresh: bool = False) -> int:
-        """The live lease id, granting or refreshing as needed."""
+    def current(self) -> int:
+        """The live lease id, granting it, or refreshing it when ``ttl / 10`` has passed since the last refresh."""
         with self._lock:
             now = self._clock()
-            if self._lease_id is not None and (refresh or now - self._refreshed_at >= self._refresh_interval):
+            if self._lease_id is not None and now - self._refreshed_at >= self._refresh_interval:
                 if self._client.lease_refresh(self._lease_id) <= 0:
                     logger.info("etcd lease %x expired, granting a new one", self._lease_id)
                     self._lease_id = None

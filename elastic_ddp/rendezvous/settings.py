@@ -10,7 +10,7 @@ echoed.
 ``key_prefix``              etcd key prefix of all rendezvous keys (default
                             ``/elastic_ddp/rdzv/``); the run id is appended.
 ``ttl``                     seconds the rendezvous state and store keys outlive their
-                            last write (default 7200). A job that reuses a run id
+                            last write (at least 9/10 of it; default 7200). A job that reuses a run id
                             within this time sees the old (e.g. closed) rendezvous.
 ``read_timeout``            seconds one etcd operation (all endpoints together) and one
                             agent-store wait may take before failing (default 60, or half
@@ -21,12 +21,14 @@ echoed.
 ``cacert``, ``cert``,       PEM files for TLS: the CA that signed the etcd members, and
 ``key``                     the client certificate and key for mutual TLS.
 ``user``, ``password``      etcd credentials (both or neither).
-``join_timeout``,           torch's ``DynamicRendezvousHandler`` timeouts in seconds;
-``last_call_timeout``,      validated here (positive integers), applied by torch.
-``close_timeout``,
+``join_timeout``,           torch's ``DynamicRendezvousHandler`` timeouts in seconds
+``last_call_timeout``,      (positive integers, torch's defaults), validated here and
+``close_timeout``,          passed to the handler.
 ``heartbeat_timeout``
 ``keep_alive_interval``,    seconds between heartbeats, and how many missed heartbeats
-``keep_alive_max_attempt``  make a node dead; positive integers, applied by torch.
+``keep_alive_max_attempt``  make a node dead (positive integers, torch's defaults). An
+                            etcd outage longer than their product drops every node from
+                            the round; each then restarts its workers and re-joins.
 ``timeout``                 added by torchrun to every backend's config; the dynamic
                             handler does not read it (use ``join_timeout``).
 ==========================  ===========================================================
@@ -38,8 +40,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
 from elastic_ddp.rendezvous.client import ClientOptions
 from elastic_ddp.rendezvous.errors import EtcdConfigError
@@ -67,7 +72,7 @@ _UNSIGNED_INT = re.compile(r"^\s*\d+\s*$")
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdRendezvousSettings:
-    """Everything the ``etcd-v3`` backend and store need, validated."""
+    """Everything the ``etcd-v3`` backend, store and handler need, validated."""
 
     endpoints: tuple[str, ...]
     """``host:port`` of each etcd member, tried in this order."""
@@ -94,11 +99,34 @@ class EtcdRendezvousSettings:
     """etcd user."""
     password: str | None = field(default=None, repr=False)
     """Password of ``user``; never logged."""
+    join_timeout: int = _TORCH_DEFAULTS["join_timeout"]
+    """Seconds a rendezvous may take to complete; then ``next_rendezvous`` raises
+    ``RendezvousTimeoutError`` and the agent exits."""
+    last_call_timeout: int = _TORCH_DEFAULTS["last_call_timeout"]
+    """Seconds a round stays open for more nodes once ``min_nodes`` have joined."""
+    close_timeout: int = _TORCH_DEFAULTS["close_timeout"]
+    """Seconds marking the rendezvous closed may take (job end, agent shutdown)."""
+    heartbeat_timeout: int = _TORCH_DEFAULTS["heartbeat_timeout"]
+    """Seconds one keep-alive heartbeat may take; a late one is logged and skipped."""
+    keep_alive_interval: int = _TORCH_DEFAULTS["keep_alive_interval"]
+    """Seconds between a node's heartbeats."""
+    keep_alive_max_attempt: int = _TORCH_DEFAULTS["keep_alive_max_attempt"]
+    """Missed heartbeats after which a node counts as dead and is removed from the round; a node
+    that was removed while alive (its heartbeats could not reach etcd) re-joins."""
 
     @property
     def run_prefix(self) -> str:
         """Prefix of every key of this run: ``<key_prefix><run_id>/``."""
         return "%s%s/" % (self.key_prefix, self.run_id)
+
+    def rendezvous_timeout(self) -> RendezvousTimeout:
+        """The timeouts of torch's ``DynamicRendezvousHandler``."""
+        return RendezvousTimeout(
+            join=timedelta(seconds=self.join_timeout),
+            last_call=timedelta(seconds=self.last_call_timeout),
+            close=timedelta(seconds=self.close_timeout),
+            heartbeat=timedelta(seconds=self.heartbeat_timeout),
+        )
 
     def client_options(self) -> ClientOptions:
         """Connection settings for :class:`~elastic_ddp.rendezvous.client.GrpcEtcdClient`."""
@@ -145,6 +173,7 @@ class EtcdRendezvousSettings:
             user=user,
             password=password,
             **tls,
+            **ints,
         )
 
 

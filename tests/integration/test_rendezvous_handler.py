@@ -30,6 +30,12 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "fixtures" / "rdzv_worker.py"
 
 
+@pytest.fixture(autouse=True)
+def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handlers made in this process set TORCH_DISABLE_SHARE_RDZV_TCP_STORE; undo that after each test."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+
+
 def params(endpoint: str, run_id: str, nodes: int, **conf: str) -> RendezvousParameters:
     conf.setdefault("last_call_timeout", "1")
     return RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, local_addr="127.0.0.1", **conf)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -11,10 +13,16 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout, create_handler
 
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdLeaseNotFoundError
-from elastic_ddp.rendezvous.etcd import EtcdRendezvousBackend, _decode_state, _encode_state
+from elastic_ddp.rendezvous.etcd import (
+    EtcdRendezvousBackend,
+    EtcdRendezvousHandler,
+    _decode_state,
+    _encode_state,
+    create_rdzv_handler,
+)
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.store import EtcdStore
 from tests.fixtures.fake_etcd import FakeEtcdClient
@@ -122,7 +130,7 @@ def test_connection_errors_reach_torch_as_rendezvous_connection_errors(
         backend.get_state()
 
 
-def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(
+def test_state_is_written_under_the_participants_lease_in_one_call_per_set(
     backend: EtcdRendezvousBackend,
     client: FakeEtcdClient,
 ) -> None:
@@ -130,9 +138,12 @@ def test_state_is_written_under_the_participants_lease_refreshed_on_each_set(
     lease = client.data[KEY.encode()].lease
     assert lease in client.leases
     client.calls.clear()
-    backend.set_state(b"s2", token)
-    assert client.calls == ["lease_refresh", "put_if"]
+    _, token, _ = backend.set_state(b"s2", token)
+    assert client.calls == ["put_if"]
     assert client.data[KEY.encode()].lease == lease
+    client.clock.advance(TTL / 10)
+    backend.set_state(b"s3", token)
+    assert client.calls == ["put_if", "lease_refresh", "put_if"]
 
 
 def test_state_expires_with_its_lease_when_nobody_writes(
@@ -223,3 +234,43 @@ def test_dynamic_handler_over_the_fake_gives_distinct_ranks(client: FakeEtcdClie
     assert not errors
     assert sorted(rank for rank, _ in outcomes.values()) == [0, 1, 2]
     assert {size for _, size in outcomes.values()} == {3}
+
+
+@pytest.fixture
+def no_store_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """An agent environment that does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE (restored afterwards)."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    return monkeypatch
+
+
+def test_handler_defaults_to_a_fresh_worker_store_per_attempt(no_store_choice: pytest.MonkeyPatch) -> None:
+    """torchrun creates the handler before its first round; from then on workers get no shared agent store."""
+    handler = create_rdzv_handler(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, "127.0.0.1"))
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert handler.use_agent_store is False  # exported to workers as TORCHELASTIC_USE_AGENT_STORE
+
+
+def test_explicit_shared_store_choice_is_kept(no_store_choice: pytest.MonkeyPatch) -> None:
+    no_store_choice.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    handler = create_rdzv_handler(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, "127.0.0.1"))
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+    assert handler.use_agent_store is True
+
+
+def test_node_dropped_during_an_outage_longer_than_the_keep_alive_window_asks_to_rejoin(client: FakeEtcdClient) -> None:
+    """After the outage its own (stale) heartbeat gets it removed from the round; its agent must
+    restart and re-join rather than train on beside a round that forms without it."""
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    handler = EtcdRendezvousHandler.from_backend(
+        "job", EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=5)), EtcdRendezvousBackend(client, KEY, leases),
+        1, 1, "127.0.0.1", RendezvousTimeout(), keep_alive_interval=1, keep_alive_max_attempt=1,
+    )  # fmt: skip
+    assert handler.next_rendezvous().world_size == 1
+    assert handler.num_nodes_waiting() == 0
+    client.down = True
+    time.sleep(1.5)  # the outage itself: longer than the 1 s keep-alive window
+    client.down = False
+    assert handler.num_nodes_waiting() == 1
+    assert handler.next_rendezvous().world_size == 1
+    assert handler.num_nodes_waiting() == 0
+    handler.shutdown()

@@ -61,17 +61,19 @@ def test_non_positive_or_non_integer_values_are_named(key: str, value: object) -
 
 
 def test_integer_values_from_the_command_line_are_accepted() -> None:
-    parsed = settings(ttl="600", read_timeout=" 20 ", join_timeout="30", keep_alive_interval=2)
+    parsed = settings(ttl="600", read_timeout=" 20 ", join_timeout="40", keep_alive_interval=2)
     assert (parsed.ttl, parsed.read_timeout) == (600, 20)
 
 
-def test_read_timeout_defaults_to_a_shorter_join_timeout() -> None:
-    assert settings(join_timeout="20").read_timeout == 20
+def test_read_timeout_defaults_to_half_a_short_join_timeout() -> None:
+    assert settings(join_timeout="20").read_timeout == 10
+    assert settings(join_timeout="1").read_timeout == 1
 
 
-def test_read_timeout_longer_than_join_timeout_is_rejected() -> None:
-    with pytest.raises(EtcdConfigError, match="read_timeout=90 exceeds join_timeout=30"):
-        settings(join_timeout="30", read_timeout="90")
+def test_read_timeout_longer_than_half_the_join_timeout_is_rejected() -> None:
+    with pytest.raises(EtcdConfigError, match="read_timeout=16 exceeds half of join_timeout=30"):
+        settings(join_timeout="30", read_timeout="16")
+    assert settings(join_timeout="30", read_timeout="15").read_timeout == 15
 
 
 def test_ttl_must_outlive_the_heartbeat_window() -> None:
