@@ -1,0 +1,266 @@
+"""Whole elastic jobs over the ``etcd-v3`` rendezvous: multi-node training, nodes joining and
+leaving, etcd outages, and torch's legacy ``etcd`` backend on the training side.
+
+Every job is the example trainer on simulated nodes (torchrun agents in their own process
+groups, ``chaos.cluster``) with gloo on 127.0.0.1 and a real etcd from the fixtures. What a
+test checks is what a user would: the job finishes, and its weights (``model_digest``, bitwise,
+at equal world size) or the samples it consumed (``data_digest``, at any world size) equal
+those of a run without the event.
+
+Only the short tests run by default; ``-m slow`` runs the rest (about 10 minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from chaos.cluster import Node, free_port, wait_for
+from tests.fixtures.etcd_jobs import (
+    ETCD_CONF,
+    RDZV_CONF,
+    done_fields,
+    done_line,
+    job_args,
+    last_step,
+    make_job,
+    step_records,
+    steps_after,
+)
+from tests.fixtures.etcd_proc import EtcdCluster, EtcdServer
+from tests.jobs import inspect, train_ok
+
+pytestmark = pytest.mark.integration
+
+JOB_TIMEOUT_S = 240
+
+
+def finish(nodes: list[Node], timeout: float = JOB_TIMEOUT_S) -> None:
+    """Wait for every node's agent to exit and assert that each exited 0."""
+    for node in nodes:
+        try:
+            code = node.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("node %s did not finish:\n%s" % (node.name, node.output()[-4000:])) from None
+        assert code == 0, "node %s exited %d:\n%s" % (node.name, code, node.output()[-4000:])
+
+
+@pytest.mark.slow  # 75 s; test_restarts.py covers two etcd-v3 agents with bitwise-equal weights by default
+def test_two_etcd_v3_nodes_train_the_same_weights_as_c10d(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """--nnodes=2 --nproc-per-node=2: world size 4 under both backends, bitwise equal weights."""
+    digests = {}
+    for backend, endpoint in (("etcd-v3", etcd_server.endpoint), ("c10d", "")):
+        workdir = tmp_path / backend
+        with make_job(workdir, job_args(workdir, 60), backend=backend, endpoint=endpoint, nnodes="2") as job:
+            job.start(2)
+            finish(job.nodes)
+            done = done_line(job.nodes)
+        assert step_records(workdir)[-1]["world_size"] == 4
+        digests[backend] = (done["step"], done["model_digest"], inspect(str(workdir / "ckpt"))["model_digest"])
+    assert digests["etcd-v3"] == digests["c10d"]
+    assert digests["etcd-v3"][0] == "60"
+
+
+ELASTIC_STEPS = 1000
+AGENT_INFO = {"LOGLEVEL": "INFO"}  # torchrun's INFO lines: when each rendezvous began and completed
+JOIN_SLACK_S = 10
+"""Beyond the rendezvous timeouts, a join may wait for the other agents to notice it (monitor
+interval) and to stop their workers (which save an emergency checkpoint on SIGTERM)."""
+
+
+@pytest.fixture(scope="module")
+def elastic_reference() -> dict:
+    """The uninterrupted run of ELASTIC_STEPS (one process; data_digest is world-size independent)."""
+    return done_fields(train_ok(["--max-steps", str(ELASTIC_STEPS), "--log-progress", "off"]).output)
+
+
+def world_after(workdir: Path, wall_time: float, size: int) -> bool:
+    return any(record["world_size"] == size for record in steps_after(workdir, wall_time))
+
+
+_AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (.*)$")
+
+
+def rounds(node: Node) -> list[tuple[float, float, int]]:
+    """Each rendezvous of this node's agent: (wall time it began, wall time it completed, nodes in it),
+    read from torchrun's INFO lines ("Rendezvous'ing worker group", "Rendezvous complete ...",
+    "group_world_size=N")."""
+    found, began, completed = [], 0.0, 0.0
+    for line in node.output().splitlines():
+        match = _AGENT_LINE.match(line)
+        if not match:
+            continue
+        when, message = _wall_time(match.group(1), match.group(2)), match.group(3)
+        if "Rendezvous'ing worker group" in message:
+            began = when
+        elif "Rendezvous complete for workers" in message:
+            completed = when
+        elif message.strip().startswith("group_world_size=") and completed:
+            found.append((began, completed, int(message.split("=", 1)[1])))
+            completed = 0.0
+    return found
+
+
+def _wall_time(month_day: str, clock: str) -> float:
+    """A torch log timestamp (``I1130 03:11:35.096000``, no year) as a ``time.time()`` value."""
+    stamp = "%d%s %s" % (datetime.now().year, month_day, clock)
+    return datetime.strptime(stamp, "%Y%m%d %H:%M:%S.%f").timestamp()
+
+
+@pytest.mark.slow
+def test_nodes_join_and_leave_an_etcd_v3_job_without_losing_data(
+    etcd_server: EtcdServer, tmp_path: Path, elastic_reference: dict
+) -> None:
+    """--nnodes=1:3: two nodes start, a third joins (world 6), one is SIGKILLed (world 4), the job
+    finishes having consumed exactly the samples of an uninterrupted run."""
+    conf = dict(ETCD_CONF)
+    job = make_job(tmp_path, job_args(tmp_path, ELASTIC_STEPS), backend="etcd-v3", endpoint=etcd_server.endpoint,
+                   nnodes="1:3", conf=conf, env=AGENT_INFO)
+    with job:
+        first, second = job.start(2).nodes
+        wait_for(lambda: last_step(tmp_path) >= 20, 180, "two nodes training")
+        added_at = time.time()
+        joiner = job.add_node()
+        wait_for(lambda: world_after(tmp_path, added_at, 6), 120, "training at world 6 with the third node")
+        killed_at = time.time()
+        second.signal_node(signal.SIGKILL)
+        wait_for(lambda: world_after(tmp_path, killed_at, 4), 120, "the survivors training at world 4")
+        finish([first, joiner])
+    last_call = int(conf["last_call_timeout"])
+    began, completed, size = rounds(joiner)[0]
+    assert size == 3 and completed - began <= last_call + JOIN_SLACK_S, rounds(joiner)
+    heartbeat_timeout = int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"])
+    reformed = [completed for _, completed, size in rounds(first) if size == 2 and completed > killed_at]
+    assert reformed and reformed[0] - killed_at <= heartbeat_timeout + last_call + JOIN_SLACK_S, rounds(first)
+    final = inspect(str(tmp_path / "ckpt"))
+    assert final["step"] == ELASTIC_STEPS
+    assert final["data_digest"] == elastic_reference["data_digest"]
+
+
+OUTAGE_S = 10
+FAULT_STEPS = 4500
+"""Long enough for one node to train through an etcd outage and a second node's start-up."""
+
+
+@pytest.fixture(scope="module")
+def fault_reference() -> dict:
+    """The uninterrupted run of FAULT_STEPS, in one process."""
+    return done_fields(train_ok(["--max-steps", str(FAULT_STEPS), "--log-progress", "off"]).output)
+
+
+def one_node_then_another(workdir: Path, endpoint: str, fault: Callable[[], None], reference: dict) -> list[Node]:
+    """Start a one-node job, apply ``fault()`` once it trains, add a second node, check that the
+    job re-forms at world 2 and ends with the reference data; returns the nodes."""
+    job = make_job(workdir, job_args(workdir, FAULT_STEPS, checkpoint_every=100), backend="etcd-v3",
+                   endpoint=endpoint, nnodes="1:2", nproc=1, env=AGENT_INFO)
+    with job:
+        first = job.start(1).nodes[0]
+        wait_for(lambda: last_step(workdir) >= 20, 180, "the first node training")
+        fault()
+        assert first.running, first.output()[-3000:]
+        added_at = time.time()
+        second = job.add_node()
+        wait_for(lambda: world_after(workdir, added_at, 2), 120, "training at world 2 with the added node")
+        finish([first, second])
+    final = inspect(str(workdir / "ckpt"))
+    assert final["step"] == FAULT_STEPS and final["data_digest"] == reference["data_digest"]
+    return [first, second]
+
+
+@pytest.mark.slow
+def test_training_goes_on_while_etcd_is_down_and_a_node_joins_after(
+    etcd_server: EtcdServer, tmp_path: Path, fault_reference: dict
+) -> None:
+    """etcd is not on the step path: steps advance during a 10 s outage, and the next membership
+    change (a node joining after etcd is back) works."""
+    outage: dict[str, float] = {}
+
+    def stop_etcd_while_training_goes_on() -> None:
+        """Stop etcd until a step completes OUTAGE_S after that, then start it again."""
+        outage["from"] = time.time()
+        etcd_server.stop()
+        wait_for(lambda: steps_after(tmp_path, outage["from"] + OUTAGE_S), OUTAGE_S + 60,
+                 "a step %d s into the etcd outage" % OUTAGE_S)
+        outage["to"] = time.time()
+        etcd_server.start()
+
+    first, second = one_node_then_another(tmp_path, etcd_server.endpoint, stop_etcd_while_training_goes_on,
+                                          fault_reference)
+    during = [r["time"] for r in step_records(tmp_path) if outage["from"] < r["time"] < outage["to"]]
+    assert len(during) > 100 and max(during) - min(during) >= OUTAGE_S - 1, "steps stopped while etcd was down"
+    # The outage outlasted the 3 s keep-alive window, so the round dropped the first node; it
+    # re-joined (one restart) instead of leaving the joiner to form a second job of its own.
+    assert "is no longer a participant of round" in first.output()
+    assert [size for _, _, size in rounds(second)] == [2], rounds(second)
+
+
+@pytest.mark.slow
+def test_a_node_joins_after_the_etcd_leader_is_killed(
+    etcd_cluster3: EtcdCluster, tmp_path: Path, fault_reference: dict
+) -> None:
+    """Three etcd members on --rdzv-endpoint; the raft leader dies mid-training; the next
+    rendezvous (a node joining) goes through the remaining two."""
+    killed = []
+
+    def kill_leader() -> None:
+        leader = etcd_cluster3.leader()
+        leader.kill()
+        killed.append(leader)
+
+    nodes = one_node_then_another(tmp_path, etcd_cluster3.endpoint, kill_leader, fault_reference)
+    assert killed and not killed[0].running
+    assert rounds(nodes[1])[0][2] == 2
+
+
+def test_unreachable_etcd_fails_the_agent_within_join_timeout_naming_the_endpoint(tmp_path: Path) -> None:
+    """The join fails after read_timeout (default: half the join timeout), torchrun's attempt to
+    close the rendezvous on the way out after another one: the agent exits within join_timeout."""
+    endpoint = "127.0.0.1:%d" % free_port()  # nothing listens there
+    join_timeout = 10
+    conf = {**RDZV_CONF, "join_timeout": str(join_timeout)}
+    job = make_job(tmp_path, job_args(tmp_path, 10), backend="etcd-v3", endpoint=endpoint, nnodes="1", nproc=1,
+                   conf=conf, max_restarts=0, env=AGENT_INFO)
+    with job:
+        node = job.start(1).nodes[0]
+        code = node.wait(timeout=JOB_TIMEOUT_S)
+        exited_at = time.time()
+    out = node.output()
+    assert code != 0
+    assert "EtcdConnectionError: etcd get failed: no endpoint answered" in out and endpoint in out, out[-3000:]
+    assert exited_at - rendezvous_began(node) <= join_timeout + 5, out[-3000:]
+    assert not step_records(tmp_path)
+
+
+def rendezvous_began(node: Node) -> float:
+    """Wall time of the agent's first "Rendezvous'ing worker group" line."""
+    for line in node.output().splitlines():
+        match = _AGENT_LINE.match(line)
+        if match and "Rendezvous'ing worker group" in match.group(3):
+            return _wall_time(match.group(1), match.group(2))
+    raise AssertionError("the agent never started a rendezvous:\n" + node.output()[-3000:])
+
+
+LEGACY_STEPS = 60
+
+
+def test_training_runs_under_torchs_legacy_etcd_backend(etcd_server_v2: EtcdServer, tmp_path: Path) -> None:
+    """The training side reads only torchrun's environment, so torch's v2-API ``etcd`` backend
+    (python-etcd) drives it as well: two nodes, world 2, the samples of a one-process run."""
+    pytest.importorskip("etcd", reason="torch's legacy --rdzv-backend=etcd needs python-etcd: pip install python-etcd")
+    conf = {"timeout": "60", "last_call_timeout": "1"}
+    job = make_job(tmp_path, job_args(tmp_path, LEGACY_STEPS), backend="etcd", endpoint=etcd_server_v2.endpoint,
+                   nnodes="2", nproc=1, conf=conf)
+    with job:
+        job.start(2)
+        finish(job.nodes)
+        done = done_line(job.nodes)
+    reference = done_fields(train_ok(["--max-steps", str(LEGACY_STEPS), "--log-progress", "off"]).output)
+    assert step_records(tmp_path)[-1]["world_size"] == 2
+    assert (done["step"], done["data_digest"]) == (str(LEGACY_STEPS), reference["data_digest"])

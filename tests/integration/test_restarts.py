@@ -1,0 +1,104 @@
+"""Restart reliability over ``etcd-v3``: consecutive ``kill -9`` of a random worker, each one
+followed by a worker-group restart that must form its process group and resume.
+
+The agents run without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` in their environment: the
+``etcd-v3`` handler itself gives every attempt a fresh worker store (a new MASTER_PORT), which is
+what makes restarts reliable (``elastic_ddp/rendezvous/RESTARTS.md``). The same loop under
+torch's default shared agent store is measured, not tested, in ``benchmarks/rendezvous.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from chaos.cluster import wait_for
+from tests.fixtures.etcd_jobs import (
+    FRESH_STORE_ENV,
+    Restart,
+    done_line,
+    committed_step,
+    done_fields,
+    job_args,
+    kill_worker,
+    make_job,
+    wait_for_restart,
+)
+from tests.fixtures.etcd_proc import EtcdServer
+from tests.jobs import train_ok
+
+pytestmark = pytest.mark.integration
+
+NODES = 2
+RESTART_TIMEOUT_S = 120
+_PG_FORMED = re.compile(r"process group formed: rank 0/\d+ .* store=(\S+)")
+_RESUMED = re.compile(r"elastic_ddp.trainer: resumed from \S+: step (\d+),")
+
+
+def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: int, seed: int) -> tuple[list[Restart], str]:
+    """Two one-worker nodes over etcd-v3; ``kills`` times: kill a random worker, wait for the
+    restart to complete a step, then for it to commit a checkpoint newer than the one it resumed
+    from (so every attempt resumes from further on). Returns the restarts and the nodes' logs."""
+    job = make_job(workdir, job_args(workdir, steps, checkpoint_every=10), backend="etcd-v3",
+                   endpoint=etcd_server.endpoint, nnodes=str(NODES), nproc=1, max_restarts=kills + 5,
+                   unset=(FRESH_STORE_ENV,))
+    rng = random.Random(seed)
+    restarts = []
+    with job:
+        job.start(NODES)
+        wait_for(lambda: committed_step(workdir) > 0, 180, "the job's first checkpoint")
+        for _ in range(kills):
+            _, killed_at, old = kill_worker(job, rng)
+            restart = wait_for_restart(job, workdir, killed_at, old, NODES, RESTART_TIMEOUT_S)
+            restarts.append(restart)
+            wait_for(lambda: committed_step(workdir) >= restart.step, 60, "a checkpoint of step %d or later" % restart.step)
+        for node in job.nodes:
+            assert node.wait(timeout=300) == 0, node.output()[-4000:]
+        output = "\n".join(node.output() for node in job.nodes)
+        done = done_line(job.nodes)
+    assert done["step"] == str(steps)
+    return restarts, output
+
+
+def check_resumed_further_each_time(output: str, kills: int) -> None:
+    """Each restart resumed from a newer checkpoint than the one before."""
+    resumed = [int(step) for step in _RESUMED.findall(output)]
+    assert len(resumed) == kills and resumed == sorted(set(resumed)), resumed
+
+
+def check_fresh_store_per_attempt(output: str, attempts: int) -> None:
+    """Every attempt's rank 0 formed its group on a different MASTER_PORT, and no worker warned
+    that it shares the agent's long-lived store."""
+    stores = _PG_FORMED.findall(output)
+    assert len(stores) >= attempts, stores
+    assert len(set(stores)) == len(stores), "a MASTER_PORT was reused across attempts: %s" % stores
+    assert "share torchrun's long-lived agent store" not in output
+
+
+@pytest.fixture(scope="module")
+def reference_400() -> dict[str, str]:
+    """400 uninterrupted steps at the same world size (2), for a bitwise comparison."""
+    return done_fields(train_ok(["--max-steps", "400", "--log-progress", "off"], nproc=NODES).output)
+
+
+def test_five_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weights(
+    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict[str, str]
+) -> None:
+    restarts, output = run_with_kills(etcd_server, tmp_path, kills=5, steps=400, seed=5)
+    assert len(restarts) == 5
+    assert [r.attempts for r in restarts] == [1] * 5, restarts  # every first restart formed its group
+    check_resumed_further_each_time(output, kills=5)
+    check_fresh_store_per_attempt(output, attempts=6)
+    assert done_fields(output)["model_digest"] == reference_400["model_digest"]
+
+
+@pytest.mark.slow
+def test_thirty_worker_kills_in_a_row_all_restart_and_finish(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    restarts, output = run_with_kills(etcd_server, tmp_path, kills=30, steps=2000, seed=30)
+    assert len(restarts) == 30
+    assert [r.attempts for r in restarts] == [1] * 30, restarts
+    check_resumed_further_each_time(output, kills=30)
+    check_fresh_store_per_attempt(output, attempts=31)
