@@ -200,6 +200,8 @@ class FollowUp:
 
 @dataclass
 class Fired:
+    """What firing a fault did, and what is left to do later."""
+
     record: FaultRecord
     follow_ups: list[FollowUp] = field(default_factory=list)
 
@@ -637,11 +639,13 @@ class CheckpointStore:
         or is the leftover of a failed save)."""
         missing = set()
         for step in self.steps():
+            if step in self.committed and self.has_manifest(step):
+                continue  # known; a manifest is never rewritten, only removed (un-committed) and created anew
             manifest = self._read_manifest(step)
             if manifest is None:
                 self.committed.pop(step, None)
                 missing.add(step)
-            elif self.committed.get(step) != manifest["token"]:
+            else:
                 self.committed[step] = manifest["token"]
                 self.commits.append(Commit(step, manifest["data_digest"], manifest["world_size"], time.time()))
         return in_flight(missing, set(self.committed))

@@ -48,6 +48,7 @@ from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
     NodeOutcome,
     ReferenceFacts,
+    NOT_REACHED,
     RunFacts,
     VerifyError,
     compare_weights,
@@ -289,7 +290,7 @@ class ScenarioRun:
         self.running_at_end = {node.name for node in self.cluster.nodes if node.running}
         for fault in self.faults:
             if not fault.record.fired and not fault.record.skipped:
-                fault.record.skipped = "the job ended before its trigger"
+                fault.record.skipped = NOT_REACHED
 
     def observe(self, now: float) -> Observation:
         self.metrics.poll()
@@ -351,7 +352,8 @@ class ScenarioRun:
         nodes = [NodeOutcome(node.name, None if node.name in self.running_at_end else node.returncode,
                              removed.get(node.name, "")) for node in self.cluster.nodes]
         ended_at = max([step.time for step in steps] + [event.time for event in events if event.kind == "done"], default=ended)
-        facts = RunFacts(scenario=self.scenario.name, max_steps=self.scenario.job.max_steps, started_at=self.started_wall,
+        facts = RunFacts(scenario=self.scenario.name, max_steps=self.scenario.job.max_steps,
+                         open_schedule=self.scenario.open_schedule, started_at=self.started_wall,
                          ended_at=ended_at, timed_out=self.timed_out, nodes=nodes,
                          faults=[fault.record for fault in self.faults], steps=steps, events=events,
                          commits=list(self.store.commits), final=final, final_error=final_error, reference=reference)

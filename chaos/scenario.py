@@ -6,6 +6,7 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
     description = "SIGKILL rank 1 at step 60; the agents restart the group from the last checkpoint"
     seed = 7                      # random targets are drawn from this seed
     timeout_s = 300               # the whole run, services and reference excluded
+    open_schedule = false         # true: faults left when the job finishes are fine (churn until the end)
 
     [job]
     script = "examples/train.py"  # relative to the repository root, or absolute
@@ -202,6 +203,9 @@ class Scenario:
     seed: int = 0
     timeout_s: float = 300.0
     """Deadline for the job, from the first node's start to the last node's exit."""
+    open_schedule: bool = False
+    """The fault schedule runs longer than the job (churn for the job's whole life): faults still waiting for
+    their trigger when the job finishes are reported as not reached instead of failing the run."""
     job: JobConfig
     cluster: ClusterConfig
     faults: tuple[FaultSpec, ...] = ()
@@ -245,6 +249,7 @@ def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
     description = reader.string("description")
     seed = reader.integer("seed", default=0)
     timeout_s = reader.number("timeout_s", default=300.0, minimum=1.0)
+    open_schedule = reader.boolean("open_schedule", default=False)
     job = _parse_job(reader.table("job"), problems)
     cluster = _parse_cluster(reader.table("cluster"), problems)
     faults = tuple(_parse_fault(item, index, problems) for index, item in enumerate(reader.tables("faults")))
@@ -253,7 +258,7 @@ def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
         problems += fault_problems(faults, cluster)
     if problems:
         raise ScenarioError(f"{where}: invalid scenario:\n  " + "\n  ".join(problems))
-    return Scenario(name=name, description=description, seed=seed, timeout_s=timeout_s, job=job,
+    return Scenario(name=name, description=description, seed=seed, timeout_s=timeout_s, open_schedule=open_schedule, job=job,
                     cluster=cluster, faults=faults, path=where)
 
 
@@ -293,6 +298,8 @@ def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
         problems.append(f"cluster.start_nodes: {cluster.start_nodes} is outside nodes {nodes!r}")
     if cluster.rdzv_backend == "etcd-v3" and cluster.etcd == "none":
         problems.append("cluster.etcd: rdzv_backend 'etcd-v3' needs etcd = 'embedded' or 'cluster'")
+    if cluster.rdzv_backend == "c10d" and cluster.etcd != "none":
+        problems.append(f"cluster.etcd: rdzv_backend 'c10d' does not use etcd; set etcd = 'none' (not {cluster.etcd!r})")
     return cluster
 
 

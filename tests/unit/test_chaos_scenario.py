@@ -95,6 +95,12 @@ def test_a_fault_without_a_trigger_is_refused() -> None:
     assert "faults[0]: give at least one trigger" in problems_of(document(faults=[{"kind": "kill-worker"}]))
 
 
+def test_c10d_with_an_etcd_is_refused_rather_than_ignored() -> None:
+    data = document()
+    data["cluster"].update(rdzv_backend="c10d")
+    assert "cluster.etcd: rdzv_backend 'c10d' does not use etcd; set etcd = 'none' (not 'embedded')" in problems_of(data)
+
+
 def test_etcd_faults_need_an_etcd_rendezvous() -> None:
     data = document(faults=[{"kind": "restart-etcd", "at_step": 5, "duration_s": 3},
                             {"kind": "kill-etcd-leader", "at_step": 5}])

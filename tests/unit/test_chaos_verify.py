@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from chaos.faults import Commit, FaultRecord
-from chaos.report import build_report, markdown
+from chaos.report import NO_MATPLOTLIB, build_report, markdown, write_report
 from chaos.scenario import parse_scenario
 from chaos.verify import (
+    NOT_REACHED,
     CheckpointFacts,
     LogEvent,
     NodeOutcome,
@@ -68,7 +71,7 @@ def clean_facts() -> RunFacts:
     ]
     records = [*steps(1, 45, T0), *steps(41, 100, T0 + 9.0)]
     fault = FaultRecord(0, "kill-worker", "0:kill-worker", fired_at=T0 + 5.0, target="rank 1 (pid 7)", detail="SIGKILL")
-    return RunFacts("t", 100, T0 - 2.0, T0 + 15.0, False, [NodeOutcome("node0", 0), NodeOutcome("node1", 0)], [fault],
+    return RunFacts("t", 100, False, T0 - 2.0, T0 + 15.0, False, [NodeOutcome("node0", 0), NodeOutcome("node1", 0)], [fault],
                     records, events, commits, final, "", reference())
 
 
@@ -164,8 +167,17 @@ def test_a_final_checkpoint_short_of_max_steps_fails_naming_its_step() -> None:
 
 
 def test_a_fault_that_never_fired_fails_the_run() -> None:
-    check = check_faults_fired([FaultRecord(0, "add-node", "0:add-node", skipped="the job ended before its trigger")])
+    check = check_faults_fired([FaultRecord(0, "add-node", "0:add-node", skipped=NOT_REACHED)])
     assert not check.passed and "0:add-node (the job ended before its trigger)" in check.message
+
+
+def test_an_open_schedule_may_outlast_the_job_but_not_skip_a_fault() -> None:
+    fired = FaultRecord(0, "add-node", "0:add-node", fired_at=T0)
+    left = FaultRecord(1, "add-node", "1:add-node", skipped=NOT_REACHED)
+    check = check_faults_fired([fired, left], open_schedule=True)
+    assert check.passed and "1 fault(s) fired; the job finished before the other 1" in check.message
+    skipped = FaultRecord(2, "kill-node", "2:kill-node", skipped="node1 is not running")
+    assert not check_faults_fired([fired, skipped], open_schedule=True).passed
 
 
 def test_a_resume_from_a_corrupted_checkpoint_is_a_partial_load() -> None:
@@ -269,3 +281,14 @@ def test_the_report_has_one_entry_per_fault_and_a_table_row_per_check() -> None:
     text = markdown(report)
     assert "# Chaos: t - PASSED" in text and "| data-digest | pass |" in text
     assert "| 0:kill-worker | 7.0 | rank 1 (pid 7) | 0.3 | 1.0 | 3.0 | 4.1 | 4.1 | 5 | 2 | SIGKILL |" in text
+
+
+def test_without_matplotlib_the_report_says_so_and_has_no_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    facts = clean_facts()
+    scenario = parse_scenario({"name": "t", "job": {"script": "examples/train.py", "max_steps": 100, "checkpoint_every": 20},
+                               "cluster": {"nodes": "1:2", "start_nodes": 2}})
+    files = write_report(build_report(scenario, facts, run_checks(facts)), facts, tmp_path)
+    assert files.png is None and files.png_note == NO_MATPLOTLIB
+    assert NO_MATPLOTLIB in files.markdown.read_text()
+    assert '"timeline_png": null' in files.json.read_text()

@@ -1,0 +1,39 @@
+"""``python -m chaos launch`` argument checks (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from chaos.launch import add_arguments, launch, node_range
+from chaos.scenario import ScenarioError
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_node_ranges_are_min_max_or_a_single_count() -> None:
+    assert node_range("2:3") == (2, 3)
+    assert node_range("2") == (2, 2)
+    for bad in ("3:2", "0:1", "a:b", "1:2:3"):
+        with pytest.raises(ScenarioError, match=f"--nodes '{bad}'"):
+            node_range(bad)
+
+
+def test_the_script_follows_a_double_dash() -> None:
+    args = parse("--nodes", "1:2", "--", "examples/train.py", "--max-steps", "5")
+    assert args.command == ["--", "examples/train.py", "--max-steps", "5"]
+
+
+def test_launch_without_a_script_says_how_to_name_one() -> None:
+    with pytest.raises(ScenarioError, match="name the training script after --"):
+        launch(parse("--nodes", "1:2"))
+
+
+def test_a_start_count_outside_the_node_range_is_refused() -> None:
+    with pytest.raises(ScenarioError, match="--nodes-start 4 is outside --nodes 1:2"):
+        launch(parse("--nodes", "1:2", "--nodes-start", "4", "--", "examples/train.py"))
