@@ -290,7 +290,7 @@ class CheckpointManager:
     def restore(self, state: TrainState, allow_fresh_start: bool = False) -> Restored | None:
         """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load."""
         choice: list[Any] = [None, None]
-        preloaded: dict[str, bytes] = {}
+        preloaded: dict[str, Any] = {}
         if self.rank == 0:
             choice, preloaded = self._choose_on_main()
         self._broadcast_from_main(choice)
@@ -309,16 +309,17 @@ class CheckpointManager:
         if manifest is None:
             raise CheckpointCorruptError(f"{info.path}: {info.problem}")
         name = manifest.replicated_file
-        replicated = deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
+        replicated = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
         reuse_rank_state = manifest.world_size == self.world_size
         rank_local = None
         if reuse_rank_state:
             name = manifest.rank_file(self.rank)
-            rank_local = deserialize(preloaded.get(name) or self.read_verified(info, name), info.path)
+            rank_local = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
         state.load_state_dict({"meta": manifest.meta(), "replicated": replicated, "rank_local": rank_local})
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
-    def _choose_on_main(self) -> tuple[list[Any], dict[str, bytes]]:
+    def _choose_on_main(self) -> tuple[list[Any], dict[str, Any]]:
+        """Rank 0: the newest checkpoint that verifies, and its own files already decoded (read once)."""
         rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.list():
             if not info.committed and not self.storage.exists(self._manifest_path(info.step)):
@@ -326,7 +327,8 @@ class CheckpointManager:
             try:
                 data = self.verify(info)
                 assert info.manifest is not None
-                deserialize(data[info.manifest.replicated_file], info.path)
+                mine = (info.manifest.replicated_file, info.manifest.rank_file(0))
+                decoded = {name: deserialize(data[name], info.path) for name in mine if name in data}
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.path, exc)
                 rejected.append((info, str(exc)))
@@ -335,8 +337,7 @@ class CheckpointManager:
                 logger.warning("falling back to checkpoint %s after %d invalid newer one(s)", info.path, len(rejected))
                 for bad, reason in rejected:
                     self._uncommit(bad, reason)
-            keep = (info.manifest.replicated_file, info.manifest.rank_file(0))
-            return [info.step, None], {name: blob for name, blob in data.items() if name in keep}
+            return [info.step, None], decoded
         return [None, "; ".join(reason for _, reason in rejected) or None], {}
 
     def _manifest_path(self, step: int) -> str:
