@@ -3,7 +3,7 @@
 The default set is two runs (a few minutes on a busy 2-core machine):
 
 - ``ci-mix``: one job through a killed worker, a node killed during a checkpoint save, a
-  replacement node joining, an etcd restart, and a preemption; every check must pass;
+  replacement node joining, a preemption, and an etcd restart; every check must pass;
 - a negative control: a job that forgets its data position on resume must fail the
   ``data-digest`` check, naming the step.
 
@@ -52,7 +52,7 @@ def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, 
     facts, checks, text = run(load_scenario("ci-mix"), tmp_path, cache_dir)
     assert not failures(checks), text
     assert [record.kind for record in facts.faults if record.fired] == [
-        "kill-worker", "kill-during-save", "add-node", "restart-etcd", "preempt-node"], text
+        "kill-worker", "kill-during-save", "add-node", "preempt-node", "restart-etcd"], text
     assert {step.world_size for step in facts.steps} == {1, 2}, text
     resumes = [event for event in facts.events if event.kind == "resumed"]
     assert len(resumes) >= 3, text
