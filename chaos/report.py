@@ -142,15 +142,17 @@ def timeline_png(report: dict[str, Any], facts: RunFacts, path: Path) -> tuple[P
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None, NO_MATPLOTLIB
     origin = facts.started_at
     times = [step.time - origin for step in facts.steps]
     figure, (rate_axis, world_axis) = plt.subplots(2, 1, sharex=True, figsize=(11, 5.5), height_ratios=(3, 1))
-    rate_axis.plot(*_rate(times), color="tab:blue", linewidth=1)
+    rate_axis.plot(*_rate(times), color="tab:blue", linewidth=1, drawstyle="steps-mid")
     rate_axis.set_ylabel("steps/s (1 s bins)")
     world_axis.step(times, [step.world_size for step in facts.steps], where="post", color="tab:green")
     world_axis.set_ylabel("world size")
+    world_axis.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     world_axis.set_xlabel("seconds since the first node started")
     for fault in report["faults"]:
         _mark_fault(rate_axis, world_axis, fault)

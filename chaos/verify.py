@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos.cluster import Node
 from chaos.faults import Commit, FaultRecord
 from chaos.scenario import REPO, ChaosError, JobConfig
 
@@ -516,12 +517,22 @@ def _since(when: float | None, origin: float) -> float | None:
 
 
 def reference_key(job: JobConfig, world_size: int) -> str:
-    """The cache key of a reference run: the job's script, arguments, steps, cadence and world size."""
+    """The cache key of a reference run: the job's arguments, steps, cadence and world size, and the code that
+    runs it (the script's directory and the runtime's sources, torch's version): a changed line runs it anew."""
     import torch
 
     body = json.dumps([os.path.relpath(job.script, REPO), list(job.args), job.max_steps, job.checkpoint_every, world_size,
-                       torch.__version__])
+                       torch.__version__, _sources_digest(Path(job.script).parent, REPO / "elastic_ddp")])
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def _sources_digest(*directories: Path) -> str:
+    hasher = hashlib.sha256()
+    for directory in directories:
+        for path in sorted(directory.rglob("*.py")):
+            hasher.update(str(path.relative_to(directory)).encode())
+            hasher.update(path.read_bytes())
+    return hasher.hexdigest()
 
 
 def reference_run(job: JobConfig, world_size: int, cache_dir: Path, timeout_s: float = 900.0) -> ReferenceFacts:
@@ -543,8 +554,6 @@ def reference_run(job: JobConfig, world_size: int, cache_dir: Path, timeout_s: f
 
 def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout_s: float) -> None:
     if directory.exists():
-        import shutil
-
         shutil.rmtree(directory)  # a reference that did not finish: start it over
     directory.mkdir(parents=True)
     keep = job.max_steps // job.checkpoint_every + 2
@@ -553,19 +562,16 @@ def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout
                "--checkpoint-keep", str(keep), "--checkpoint-dir", str(directory / "ckpt"),
                "--log-dir", str(directory / "logs"), "--log-every", "1", "--log-progress", "off"]
     logger.info("reference run (world size %d): %s", world_size, " ".join(command))
-    with open(directory / "reference.log", "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=_reference_env(), stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    # a Node: torchrun and its workers each in their own session, all stopped by stop() on every exit path
+    node = Node("reference", command, _reference_env(), directory / "reference.log").start()
+    try:
+        code: int | None = node.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        node.stop()
     if code != 0:
-        tail = (directory / "reference.log").read_text(errors="replace")[-3000:]
+        tail = node.output()[-3000:]
         raise VerifyError(f"the reference run in {directory} {'timed out' if code is None else f'exited {code}'}:\n{tail}")
 
 
