@@ -62,12 +62,16 @@ def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, 
 
 
 def forgetful_scenario() -> Scenario:
-    """One node, one worker killed at step 30: the restart resumes from step 20 with the data position lost."""
+    """One node, one worker killed at step 30: the restart resumes from step 20 with the data position lost.
+
+    Saves are synchronous here, so the step-20 checkpoint is committed before step 21 runs; with
+    background saves a slow disk can leave it uncommitted at step 30 and the restart would start fresh,
+    which loses nothing and hides the bug this control must expose."""
     return parse_scenario({
         "name": "forgetful-resume",
         "description": "negative control: a job that does not restore its data position",
         "timeout_s": 180,
-        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5"], "max_steps": 80, "checkpoint_every": 20},
+        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5", "--no-checkpoint-async-save"], "max_steps": 80, "checkpoint_every": 20},
         "cluster": {"nodes": "1", "start_nodes": 1, "rdzv_backend": "c10d", "etcd": "none"},
         "faults": [{"kind": "kill-worker", "at_step": 30, "target": "rank:0"}],
     }, "forgetful")
