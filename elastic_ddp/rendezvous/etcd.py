@@ -135,14 +135,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
         Returns ``(state, new_token, True)`` on success, ``(current_state,
         current_token, False)`` when the token is stale or invalid, and ``None``
         when the token is stale and the state has vanished meanwhile.
+
+        The token is checked with a read before the compare-and-swap: etcd puts every
+        transaction that may write through raft and fsyncs it, even when its compare then
+        fails, and when many nodes join at once most attempts carry a stale token (torch's
+        handler retries each failed one at once). A read is served without a log write.
         """
-        if token is None:
-            condition = Absent()
-        else:
-            revision = _as_revision(token)
-            if revision is None:
-                return self._current_state_not_written()
-            condition = ModRevisionIs(revision)
+        revision = None if token is None else _as_revision(token)
+        if token is not None and revision is None:
+            return self._current_state_not_written()
+        current = self._client.get(self._key)
+        if (None if current is None else current.mod_revision) != revision:
+            return None if current is None else (self._decode(current.value), current.mod_revision, False)
+        condition = Absent() if revision is None else ModRevisionIs(revision)
         payload = _encode_state(state)
         outcome = self._leases.write(lambda lease: self._client.put_if(self._key, payload, condition, lease))
         if outcome.succeeded:

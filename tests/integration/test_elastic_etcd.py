@@ -12,18 +12,17 @@ Only the short tests run by default; ``-m slow`` runs the rest (about 10 minutes
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from chaos.cluster import Node, free_port, wait_for
 from tests.fixtures.etcd_jobs import (
+    AGENT_INFO,
     ETCD_CONF,
     RDZV_CONF,
     done_fields,
@@ -31,6 +30,8 @@ from tests.fixtures.etcd_jobs import (
     job_args,
     last_step,
     make_job,
+    rendezvous_began,
+    rounds,
     step_records,
     steps_after,
 )
@@ -69,7 +70,6 @@ def test_two_etcd_v3_nodes_train_the_same_weights_as_c10d(etcd_server: EtcdServe
 
 
 ELASTIC_STEPS = 1000
-AGENT_INFO = {"LOGLEVEL": "INFO"}  # torchrun's INFO lines: when each rendezvous began and completed
 JOIN_SLACK_S = 10
 """Beyond the rendezvous timeouts, a join may wait for the other agents to notice it (monitor
 interval) and to stop their workers (which save an emergency checkpoint on SIGTERM)."""
@@ -83,35 +83,6 @@ def elastic_reference() -> dict:
 
 def world_after(workdir: Path, wall_time: float, size: int) -> bool:
     return any(record["world_size"] == size for record in steps_after(workdir, wall_time))
-
-
-_AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) \d+ \S+\] (.*)$")
-
-
-def rounds(node: Node) -> list[tuple[float, float, int]]:
-    """Each rendezvous of this node's agent: (wall time it began, wall time it completed, nodes in it),
-    read from torchrun's INFO lines ("Rendezvous'ing worker group", "Rendezvous complete ...",
-    "group_world_size=N")."""
-    found, began, completed = [], 0.0, 0.0
-    for line in node.output().splitlines():
-        match = _AGENT_LINE.match(line)
-        if not match:
-            continue
-        when, message = _wall_time(match.group(1), match.group(2)), match.group(3)
-        if "Rendezvous'ing worker group" in message:
-            began = when
-        elif "Rendezvous complete for workers" in message:
-            completed = when
-        elif message.strip().startswith("group_world_size=") and completed:
-            found.append((began, completed, int(message.split("=", 1)[1])))
-            completed = 0.0
-    return found
-
-
-def _wall_time(month_day: str, clock: str) -> float:
-    """A torch log timestamp (``I1130 03:11:35.096000``, no year) as a ``time.time()`` value."""
-    stamp = "%d%s %s" % (datetime.now().year, month_day, clock)
-    return datetime.strptime(stamp, "%Y%m%d %H:%M:%S.%f").timestamp()
 
 
 @pytest.mark.slow
@@ -237,15 +208,6 @@ def test_unreachable_etcd_fails_the_agent_within_join_timeout_naming_the_endpoin
     assert "EtcdConnectionError: etcd get failed: no endpoint answered" in out and endpoint in out, out[-3000:]
     assert exited_at - rendezvous_began(node) <= join_timeout + 5, out[-3000:]
     assert not step_records(tmp_path)
-
-
-def rendezvous_began(node: Node) -> float:
-    """Wall time of the agent's first "Rendezvous'ing worker group" line."""
-    for line in node.output().splitlines():
-        match = _AGENT_LINE.match(line)
-        if match and "Rendezvous'ing worker group" in match.group(3):
-            return _wall_time(match.group(1), match.group(2))
-    raise AssertionError("the agent never started a rendezvous:\n" + node.output()[-3000:])
 
 
 LEGACY_STEPS = 60

@@ -130,7 +130,7 @@ def test_connection_errors_reach_torch_as_rendezvous_connection_errors(
         backend.get_state()
 
 
-def test_state_is_written_under_the_participants_lease_in_one_call_per_set(
+def test_state_is_written_under_the_participants_lease_with_one_transaction_per_set(
     backend: EtcdRendezvousBackend,
     client: FakeEtcdClient,
 ) -> None:
@@ -139,11 +139,44 @@ def test_state_is_written_under_the_participants_lease_in_one_call_per_set(
     assert lease in client.leases
     client.calls.clear()
     _, token, _ = backend.set_state(b"s2", token)
-    assert client.calls == ["put_if"]
+    assert client.calls == ["get", "put_if"]
     assert client.data[KEY.encode()].lease == lease
     client.clock.advance(TTL / 10)
+    client.calls.clear()
     backend.set_state(b"s3", token)
-    assert client.calls == ["put_if", "lease_refresh", "put_if"]
+    assert client.calls == ["get", "lease_refresh", "put_if"]
+
+
+def test_state_changed_between_check_and_write_is_returned_not_overwritten(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
+    _, token, _ = backend.set_state(b"s1")
+    other = EtcdRendezvousBackend(client, KEY, LeaseKeeper(client, TTL, clock=client.clock))
+    check = client.get
+
+    def check_then_lose_the_race(key: bytes):
+        current = check(key)
+        client.get = check  # type: ignore[method-assign]
+        other.set_state(b"theirs", token)
+        return current
+
+    client.get = check_then_lose_the_race  # type: ignore[method-assign]
+    state, their_token, written = backend.set_state(b"mine", token)
+    assert (state, written) == (b"theirs", False)
+    assert backend.get_state() == (b"theirs", their_token)
+
+
+def test_stale_token_is_answered_by_a_read_without_a_transaction(
+    backend: EtcdRendezvousBackend,
+    client: FakeEtcdClient,
+) -> None:
+    _, old_token, _ = backend.set_state(b"s1")
+    _, token, _ = backend.set_state(b"s2", old_token)
+    client.calls.clear()
+    assert backend.set_state(b"s3", old_token) == (b"s2", token, False)
+    assert backend.set_state(b"s3") == (b"s2", token, False)  # "create" while a state exists
+    assert client.calls == ["get", "get"]
 
 
 def test_state_expires_with_its_lease_when_nobody_writes(
