@@ -136,6 +136,8 @@ class Trainer:
         self._restore_or_start_fresh()
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._empty_batch: Any = None
+        self._pending_flags: tuple[torch.Tensor, dist.Work] | None = None
+        """The stop agreement started at the end of the previous step (see :meth:`_agree`)."""
         self._last_commit_step = self.state.counters.step
         self._last_commit_time = time.monotonic()
 
@@ -262,6 +264,7 @@ class Trainer:
                 if stop_reason is not None:
                     break
                 self._periodic_checks(save_due)
+            self._settle_agreement()
         finally:
             progress.close()
             del batches
@@ -273,19 +276,34 @@ class Trainer:
         """The per-step decision all ranks share: stop now (and why), and is a time-based save due.
 
         One tiny all-reduce carries (this rank was asked to stop, this rank's save clock ran out);
-        a stop asked of any rank stops all of them at this step boundary.
+        a stop asked of any rank stops all of them at the same step boundary. The all-reduce is
+        started here and read one step later, so it overlaps with that step's compute instead of
+        adding a synchronisation point to every step: a request is acted on at the end of the step
+        after the one in which it arrived, on every rank alike.
         """
-        self.watchdog.enter("collective")
         every_s = self.config.checkpoint.every_seconds
         time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
         flags = torch.tensor([self.stop.requested, time_due], dtype=torch.int32, device=self.device)
         if self.context.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            pending, self._pending_flags = self._pending_flags, (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
+            if pending is None:
+                return None, False
+            self.watchdog.enter("collective")
+            flags, work = pending
+            work.wait()
+            self.watchdog.enter("step")
         stop_any, save_due = bool(flags[0]), bool(flags[1])
-        self.watchdog.enter("step")
         if not stop_any:
             return None, save_due
         return ("preempted" if self.stop.requested else "peer-lost"), save_due
+
+    def _settle_agreement(self) -> None:
+        """Complete the all-reduce still in flight when the loop ends (every rank started it)."""
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is not None:
+            self.watchdog.enter("collective")
+            pending[1].wait()
+            self.watchdog.enter("step")
 
     def _periodic_checks(self, save_due: bool) -> None:
         step = self.state.counters.step
