@@ -498,6 +498,8 @@ class Trainer:
         self.watchdog.enter("checkpoint")  # a save still in flight is waited for under that phase's limit
         if self.async_checkpoints is not None:
             self.async_checkpoints.close()
+        if self.checkpoints is not None:
+            self.checkpoints.wait_for_retention()
         self.watchdog.close()
         if self.spot_poller is not None:
             self.spot_poller.close()

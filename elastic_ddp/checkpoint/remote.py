@@ -33,11 +33,11 @@ spent, the operation raises ``CheckpointStorageError`` naming the URI.
 
 Semantics match :class:`~elastic_ddp.checkpoint.storage.LocalStorage`:
 
-- ``write`` streams chunks through s3fs's buffered file: one PUT for an object smaller
-  than the block size (``default_block_size``, 50 MiB), else a multipart upload that
-  ``close`` completes in one request. Until then readers see nothing; an exception aborts
-  the upload, so a partial object is never committed. Other protocols get one
-  ``pipe_file`` of the joined chunks.
+- ``write`` on S3: one PUT for an object of at most one part (``default_block_size``,
+  50 MiB), else a multipart upload with up to ``max_concurrency`` (10) parts in flight at once (a sequential
+  upload is bound by one connection's throughput), completed in one request. Until then
+  readers see nothing; an exception aborts the upload, so a partial object is never
+  committed. Other protocols get one ``pipe_file`` of the joined chunks.
 - ``create`` is ``pipe_file(path, data, mode="create")``: on S3 a PUT with
   ``If-None-Match: *``. S3 answers 412 Precondition Failed when the key exists, which s3fs
   raises as ``FileExistsError`` (an ``OSError(EINVAL)`` caused by a ``ClientError`` with
@@ -52,6 +52,11 @@ Semantics match :class:`~elastic_ddp.checkpoint.storage.LocalStorage`:
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+import itertools
 import logging
 import os
 import posixpath
@@ -69,6 +74,15 @@ from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 logger = logging.getLogger(__name__)
 
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
+DEFAULT_PART_BYTES = 50 << 20
+"""Part size of a multipart upload unless the options set ``default_block_size`` (s3fs's default too)."""
+MIN_PART_BYTES = 5 << 20
+"""S3's smallest part (all but the last)."""
+PARTS_IN_FLIGHT = 10
+"""Parts of one file uploaded at once unless the options set ``max_concurrency`` (s3fs's
+default too): S3's throughput per connection is limited, and each part in flight holds its
+bytes in memory (at most this many x the part size)."""
 _FIXED_OPTIONS = {"use_listings_cache": False}
 _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 _CREDENTIAL_OPTION = re.compile(r"key|secret|token|password|credential|sas", re.IGNORECASE)
@@ -122,18 +136,64 @@ class FsspecStorage:
             return self._put_whole(path, chunks)
 
     def _upload(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        """Stream into a buffered file: parts go up as the buffer fills, the object appears on close."""
+        """One PUT for a file of at most one part, else a multipart upload with up to
+        ``max_concurrency`` parts going up at once (memory: that many parts); the object
+        appears when the upload completes, and any failure aborts the upload."""
+        fs = self._fs
+        part_bytes = max(int(getattr(fs, "default_block_size", 0) or 0) or DEFAULT_PART_BYTES, MIN_PART_BYTES)
         with Checksum() as checksum:
-            handle = self._fs.open(path, "wb")
+            parts = _parts(_hashed(chunks, checksum), part_bytes)
+            first = next(parts)
+            second = next(parts, None)
+            if second is None:
+                fs.pipe_file(path, first)
+                return checksum.record()
+            bucket, key, _ = fs.split_path(path)
+            upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
             try:
-                for chunk in chunks:
-                    checksum.update(chunk)
-                    handle.write(chunk)
-                handle.close()  # the commit: one PUT, or completing the multipart upload
+                done = self._upload_parts(bucket, key, upload_id, itertools.chain([first, second], parts))
+                fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                           MultipartUpload={"Parts": done})
             except BaseException:
-                _abandon(handle, path)
+                self._abort(bucket, key, upload_id, path)
                 raise
+            fs.invalidate_cache(path)
             return checksum.record()
+
+    def _upload_parts(self, bucket: str, key: str, upload_id: str, parts: Iterable[bytearray]) -> list[dict[str, Any]]:
+        """Upload the parts, at most ``max_concurrency`` at once, on fsspec's event loop; their numbers and ETags."""
+        fs = self._fs
+        most = max(int(getattr(fs, "max_concurrency", 0) or 0) or PARTS_IN_FLIGHT, 1)
+        in_flight: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
+        done: list[dict[str, Any]] = []
+
+        def finish_oldest() -> None:
+            number, future = in_flight.popleft()
+            done.append({"PartNumber": number, "ETag": future.result()["ETag"]})
+
+        try:
+            for number, body in enumerate(parts, start=1):
+                if len(in_flight) >= most:
+                    finish_oldest()
+                call = fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+                in_flight.append((number, asyncio.run_coroutine_threadsafe(call, fs.loop)))
+            while in_flight:
+                finish_oldest()
+        finally:
+            for _, future in in_flight:  # after a failure: stop the others before the upload is aborted
+                future.cancel()
+            concurrent.futures.wait([future for _, future in in_flight])
+        return done
+
+    def _abort(self, bucket: str, key: str, upload_id: str, path: str) -> None:
+        """Abort an unfinished multipart upload so that none of its parts is ever committed."""
+        try:
+            self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:  # the original error matters more; an unfinished upload is invisible to readers
+            logger.warning(
+                "could not abort the upload of %s (%s); a bucket lifecycle rule for incomplete multipart uploads "
+                "removes its parts", path, type(exc).__name__,
+            )
 
     def _put_whole(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         parts: list[bytes | memoryview] = []
@@ -168,6 +228,10 @@ class FsspecStorage:
     def read(self, path: str) -> bytes:
         with self._errors("read", path):
             return self._fs.cat_file(path)
+
+    def read_hashed(self, path: str) -> tuple[bytes, FileRecord]:
+        data = self.read(path)
+        return data, FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
     def list_dir(self, path: str) -> list[str]:
         with self._errors("list", path):
@@ -246,17 +310,27 @@ def _lost_create_race(exc: OSError) -> bool:
     return status == 412 or code == "ConditionalRequestConflict"
 
 
-def _abandon(handle: Any, path: str) -> None:
-    """Abort an unfinished upload so that nothing is committed, not even by the file object's ``__del__``."""
-    try:
-        handle.discard()  # aborts the multipart upload, if one was started
-    except Exception as exc:  # the original error matters more; an unfinished upload is invisible to readers
-        logger.warning(
-            "could not abort the upload of %s (%s); a bucket lifecycle rule for incomplete multipart uploads "
-            "removes its parts", path, type(exc).__name__,
-        )
-    finally:
-        handle.closed = True
+def _hashed(chunks: Iterable[bytes | memoryview], checksum: Checksum) -> Iterator[bytes | memoryview]:
+    for chunk in chunks:
+        checksum.update(chunk)
+        yield chunk
+
+
+def _parts(chunks: Iterable[bytes | memoryview], part_bytes: int) -> Iterator[bytearray]:
+    """The chunks' bytes regrouped into parts of exactly ``part_bytes`` (the last one shorter, or
+    empty when there are no bytes at all): S3 wants every part but the last of at least 5 MiB."""
+    part, yielded = bytearray(), False
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            take = min(part_bytes - len(part), view.nbytes)
+            part += view[:take]
+            view = view[take:]
+            if len(part) == part_bytes:
+                yield part
+                part, yielded = bytearray(), True
+    if part or not yielded:  # always at least one part: an empty file is one empty PUT
+        yield part
 
 
 def _credential_values(options: Mapping[str, Any]) -> tuple[str, ...]:

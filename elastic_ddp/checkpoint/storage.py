@@ -15,21 +15,28 @@ Two implementations: :class:`LocalStorage` for paths and ``file://`` URIs, and
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import queue
 import threading
 import posixpath
 import shutil
+import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
 HASH_NAME = "sha256"
+
+READ_CHUNK_BYTES = 16 << 20
+"""Reads of large files go in chunks this size, each hashed while the next is read."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,9 @@ class Storage(Protocol):
     def read(self, path: str) -> bytes:
         """The whole file; CheckpointError when it does not exist."""
 
+    def read_hashed(self, path: str) -> tuple[bytes | memoryview, FileRecord]:
+        """The whole file and the size and checksum of what was read (hashed as it arrives)."""
+
     def list_dir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; empty when it does not exist."""
 
@@ -175,6 +185,23 @@ class LocalStorage:
                 del data[handle.readinto(data):]  # a file cut short meanwhile reads short, not zero-padded
                 return data  # type: ignore[return-value]  # bytes-like; writable on purpose
 
+    def read_hashed(self, path: str) -> tuple[memoryview, FileRecord]:
+        """The whole file, writable, with its size and SHA-256; the hash of one chunk runs on a
+        helper thread while the next is read, so this costs about the hashing alone."""
+        with _local_errors("read", path):
+            with open(path, "rb", buffering=0) as handle:
+                size = os.fstat(handle.fileno()).st_size
+                view = _buffer(size)
+                got = 0
+                with Checksum() as checksum:
+                    while got < size:
+                        count = handle.readinto(view[got : got + READ_CHUNK_BYTES])
+                        if not count:  # cut short meanwhile: return what is there; sizes will differ
+                            break
+                        checksum.update(view[got : got + count])
+                        got += count
+                    return view[:got], checksum.record()
+
     def list_dir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
@@ -211,14 +238,75 @@ def _local_errors(action: str, path: str) -> Iterator[None]:
         raise CheckpointStorageError(f"cannot {action} {path}: {exc}") from exc
 
 
+def _buffer(size: int) -> memoryview:
+    """Writable, uninitialised memory for ``size`` bytes of a file (only the bytes read are ever exposed).
+
+    It comes from torch's CPU allocator: reading 805 MB from the page cache into it takes
+    0.65 s here against 0.85-1.0 s into anonymous ``mmap`` memory (faulted in page by page,
+    or all at once with ``MAP_POPULATE``) and 1.1 s into a ``bytearray`` (memset first).
+    """
+    tensor = torch.empty(max(size, 1), dtype=torch.uint8)
+    array = (ctypes.c_char * size).from_address(tensor.data_ptr())
+    array._owner = tensor  # type: ignore[attr-defined]  # the memory lives as long as any view of it
+    return memoryview(array).cast("B")
+
+
 def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
     with Checksum() as checksum, open(path, "wb") as handle:
+        behind = WriteBehind(handle.fileno())
         for chunk in chunks:
             checksum.update(chunk)  # hashed on the side while this chunk is written
             handle.write(chunk)
+            behind.wrote(memoryview(chunk).nbytes)
         handle.flush()
         os.fsync(handle.fileno())
         return checksum.record()
+
+
+class WriteBehind:
+    """Starts the disk writes of a file while it is still being written (Linux ``sync_file_range``).
+
+    Without it every byte waits in the page cache until the final ``fsync``, which then
+    writes it all while nothing else happens. Here each 16 MiB window is handed to the disk
+    as soon as it is complete, and the writer waits for the window two behind it, so the
+    disk and the writer work at once and dirty memory stays bounded (about 805 MB with fsync
+    at 0.47 GB/s plain, 0.54 GB/s this way on this project's virtio disk). Elsewhere a no-op.
+    """
+
+    WINDOW_BYTES = 16 << 20
+    _START, _WAIT = 2, 1 | 2 | 4  # SYNC_FILE_RANGE_WRITE; WAIT_BEFORE | WRITE | WAIT_AFTER
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.written = 0
+        self.started = 0  # bytes handed to the disk so far, in whole windows
+
+    def wrote(self, count: int) -> None:
+        self.written += count
+        if _sync_file_range is None:
+            return
+        while self.written - self.started >= self.WINDOW_BYTES:
+            _sync_file_range(self.fd, self.started, self.WINDOW_BYTES, self._START)
+            behind = self.started - 2 * self.WINDOW_BYTES
+            if behind >= 0:
+                _sync_file_range(self.fd, behind, self.WINDOW_BYTES, self._WAIT)
+            self.started += self.WINDOW_BYTES
+
+
+def _load_sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or None where there is none; errors are ignored (a hint)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
 
 
 def _link_exclusive(temp: str, path: str, data: bytes) -> None:

@@ -176,6 +176,7 @@ def test_failed_retention_after_the_commit_is_only_a_warning(tmp_path: Path, cap
     m.apply_retention = lambda *args, **kwargs: (_ for _ in ()).throw(CheckpointError("storage hiccup"))
     advance(state)
     assert m.save(state).step == 1  # committed, and reported as committed on every rank
+    m.wait_for_retention()
     assert "retention failed" in caplog.text and "storage hiccup" in caplog.text
 
 
@@ -191,6 +192,7 @@ def test_retention_keeps_the_newest_k_and_stale_leftovers_go(tmp_path: Path) -> 
     for _ in range(4):
         advance(state)
         m.save(state)
+    m.wait_for_retention()  # it runs behind the save
     steps = sorted(p.name for p in tmp_path.glob("step-*"))
     assert steps == ["step-00000003", "step-00000004", "step-00000099"]
 

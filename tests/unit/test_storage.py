@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -21,8 +22,17 @@ import fsspec
 import pytest
 from botocore.exceptions import ClientError
 
-from elastic_ddp.checkpoint.remote import _lost_create_race
-from elastic_ddp.checkpoint.storage import CheckpointStorageError, FileRecord, LocalStorage, Storage, open_storage
+from elastic_ddp.checkpoint import storage as storage_module
+from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
+from elastic_ddp.checkpoint.storage import (
+    READ_CHUNK_BYTES,
+    CheckpointStorageError,
+    WriteBehind,
+    FileRecord,
+    LocalStorage,
+    Storage,
+    open_storage,
+)
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 from tests.fixtures.s3 import S3Endpoint
 
@@ -63,6 +73,38 @@ def test_write_streams_chunks_and_returns_size_and_sha256(open_view: OpenStorage
     record = storage.write(path, iter(chunks))
     assert record == FileRecord(size=len(whole), sha256=sha256(whole))
     assert open_view().read(path) == whole
+
+
+@pytest.mark.parametrize("size", [0, 5, 3 * READ_CHUNK_BYTES + 7])
+def test_read_hashed_returns_the_bytes_with_their_size_and_sha256(open_view: OpenStorage, size: int) -> None:
+    storage = open_view()
+    whole = os.urandom(size)
+    path = storage.join("step-00000001", "rank-00000-abc.eddp")
+    storage.write(path, [whole])
+    data, record = open_view().read_hashed(path)
+    assert bytes(data) == whole
+    assert record == FileRecord(size=size, sha256=sha256(whole))
+
+
+def test_read_hashed_of_a_missing_file_raises_checkpoint_error_naming_it(open_view: OpenStorage) -> None:
+    storage = open_view()
+    path = storage.join("step-00000001", "rank-00000-abc.eddp")
+    with pytest.raises(CheckpointError, match="does not exist") as caught:
+        storage.read_hashed(path)
+    assert path in str(caught.value)
+
+
+def test_write_behind_hands_each_complete_window_to_the_disk_and_waits_two_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(storage_module, "_sync_file_range", lambda fd, offset, count, flags: calls.append((offset, count, flags)))
+    window = WriteBehind.WINDOW_BYTES
+    behind = WriteBehind(fd=7)
+    behind.wrote(window - 1)
+    assert calls == []
+    behind.wrote(1 + 3 * window + 5)  # four windows complete; the fifth is not
+    start, wait = WriteBehind._START, WriteBehind._WAIT
+    assert calls == [(0, window, start), (window, window, start), (2 * window, window, start), (0, window, wait),
+                     (3 * window, window, start), (window, window, wait)]
 
 
 def test_join_onto_a_joined_path_extends_it(open_view: OpenStorage) -> None:
@@ -295,6 +337,39 @@ def test_s3_multipart_write_is_whole_or_nothing(s3_server: S3Endpoint) -> None:
     assert parts_seen == [False, False]
     data = reader.read(big)
     assert record == FileRecord(size=len(data), sha256=sha256(data)) and len(data) == 6 * MiB + 1024
+
+
+@pytest.mark.integration
+def test_s3_upload_failing_with_parts_in_flight_is_aborted_and_a_whole_one_reads_back(s3_server: S3Endpoint) -> None:
+    storage, reader = open_storage(s3_server.uri, {"default_block_size": 5 * MiB}), open_storage(s3_server.uri, {})
+    path = storage.join("step-00000001", "rank-00001-abc.eddp")
+    pieces = [os.urandom(3 * MiB) for _ in range(7)]  # 21 MiB: parts of 5 MiB go up while later ones are cut
+
+    def chunks(fail_after: int | None) -> Iterator[bytes]:
+        for index, piece in enumerate(pieces):
+            if index == fail_after:
+                raise Boom("writer died with parts in flight")
+            yield piece
+
+    with pytest.raises(Boom):
+        storage.write(path, chunks(fail_after=5))
+    assert not reader.exists(path)
+    assert not s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=s3_server.bucket).get("Uploads")
+    record = storage.write(path, chunks(fail_after=None))
+    whole = b"".join(pieces)
+    assert record == FileRecord(size=len(whole), sha256=sha256(whole))
+    assert reader.read(path) == whole
+
+
+@pytest.mark.parametrize(
+    ("sizes", "part", "expected"),
+    [([], 4, [0]), ([3], 4, [3]), ([4], 4, [4]), ([4, 4], 4, [4, 4]), ([1, 9, 2], 4, [4, 4, 4]), ([10], 4, [4, 4, 2])],
+)
+def test_upload_parts_regroup_chunks_into_equal_parts_with_a_shorter_last(sizes: list[int], part: int, expected: list[int]) -> None:
+    chunks = [bytes([index]) * size for index, size in enumerate(sizes)]
+    parts = list(_parts(iter(chunks), part))
+    assert [len(p) for p in parts] == expected
+    assert b"".join(parts) == b"".join(chunks)
 
 
 @pytest.mark.integration
