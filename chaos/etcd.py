@@ -1,7 +1,7 @@
-"""Real ``etcd`` processes on 127.0.0.1 for chaos scenarios: one member, or a 3-member cluster.
+"""Real ``etcd`` processes on 127.0.0.1: one member or a 3-member cluster, optionally serving TLS.
 
-A copy of ``tests/fixtures/etcd_proc.py`` (without its TLS support) for the chaos package's own
-use: chaos never imports from ``tests/``. A scenario stops and restarts members on purpose::
+Chaos scenarios stop and restart members on purpose; the tests and benchmarks use the same
+processes (``tests/fixtures/etcd_proc.py`` re-exports this module)::
 
     from chaos.etcd import EtcdServer, find_etcd_binary
     server = EtcdServer.create(find_etcd_binary(), Path("/tmp/etcd-data"))
@@ -25,12 +25,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ HOST = "127.0.0.1"
 ETCD_BIN_ENV = "ELASTIC_DDP_ETCD_BIN"
 _POLL_INTERVAL_S = 0.05
 _PORT_RETRIES = 3
+CLUSTER_TOKEN = "elastic-ddp"
 
 
 class EtcdProcessError(ChaosError):
@@ -98,6 +100,15 @@ def free_ports(count: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS-serving member: the CA, and a certificate/key pair signed by it."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
 class MemberSpec:
     """Name, ports and data directory of one etcd member."""
 
@@ -105,11 +116,13 @@ class MemberSpec:
     client_port: int
     peer_port: int
     data_dir: Path
+    tls: TlsFiles | None = None
+    """When set, clients must use TLS and present a certificate signed by ``tls.ca``."""
 
     @property
     def client_url(self) -> str:
         """The member's client URL, ``http[s]://127.0.0.1:PORT``."""
-        return "http://%s:%d" % (HOST, self.client_port)
+        return "%s://%s:%d" % ("https" if self.tls else "http", HOST, self.client_port)
 
     @property
     def peer_url(self) -> str:
@@ -142,13 +155,13 @@ class EtcdServer:
 
     @classmethod
     def create(
-        cls, binary: str, data_dir: Path, extra_args: Sequence[str] = ()
+        cls, binary: str, data_dir: Path, extra_args: Sequence[str] = (), tls: TlsFiles | None = None
     ) -> EtcdServer:
         """A single-member server on fresh ports with its data in ``data_dir``."""
         client_port, peer_port = free_ports(2)
-        spec = MemberSpec("default", client_port, peer_port, data_dir)
+        spec = MemberSpec("default", client_port, peer_port, data_dir, tls)
         initial_cluster = "%s=%s" % (spec.name, spec.peer_url)
-        return cls(binary, spec, initial_cluster, "elastic-ddp-chaos", extra_args)
+        return cls(binary, spec, initial_cluster, CLUSTER_TOKEN, extra_args)
 
     @property
     def endpoint(self) -> str:
@@ -180,8 +193,16 @@ class EtcdServer:
             "--initial-cluster-token", self._cluster_token,
             "--initial-cluster-state", "new",
             "--log-level", "warn",
+            *self._tls_args(),
             *self._extra_args,
         ]  # fmt: skip
+
+    def _tls_args(self) -> list[str]:
+        tls = self.spec.tls
+        if tls is None:
+            return []
+        return ["--cert-file", str(tls.cert), "--key-file", str(tls.key),
+                "--trusted-ca-file", str(tls.ca), "--client-cert-auth"]  # fmt: skip
 
     def launch(self) -> None:
         """Start the process without waiting for it to become healthy."""
@@ -220,7 +241,7 @@ class EtcdServer:
         """One ``GET /health`` probe; ``True`` when the member serves with a leader."""
         try:
             with urllib.request.urlopen(
-                self.spec.client_url + "/health", timeout=1.0
+                self.spec.client_url + "/health", timeout=1.0, context=self._ssl_context()
             ) as response:
                 return json.loads(response.read()).get("health") == "true"
         except (OSError, ValueError):
@@ -231,8 +252,17 @@ class EtcdServer:
         request = urllib.request.Request(
             self.spec.client_url + "/v3/maintenance/status", data=b"{}", method="POST"
         )
-        with urllib.request.urlopen(request, timeout=2.0) as response:
+        with urllib.request.urlopen(request, timeout=2.0, context=self._ssl_context()) as response:
             return json.loads(response.read())
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """For a TLS member: trust its CA and present its own certificate as client certificate."""
+        tls = self.spec.tls
+        if tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(tls.ca))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        return context
 
     def is_leader(self) -> bool:
         """Whether this member is the raft leader right now."""
@@ -287,7 +317,7 @@ class EtcdCluster:
             for i in range(size)
         ]
         initial_cluster = ",".join("%s=%s" % (spec.name, spec.peer_url) for spec in specs)
-        token = "elastic-ddp-chaos-%d" % ports[0]
+        token = "%s-%d" % (CLUSTER_TOKEN, ports[0])
         return cls([EtcdServer(binary, spec, initial_cluster, token, extra_args) for spec in specs])
 
     @property
@@ -324,20 +354,18 @@ class EtcdCluster:
         raise EtcdProcessError("no etcd leader elected within %.1fs" % timeout)
 
 
-def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _PORT_RETRIES) -> EtcdServer | EtcdCluster:
-    """Start one member (``kind`` ``embedded``) or a 3-member cluster (``cluster``) on fresh ports under ``base_dir``.
+def start_with_port_retries(
+    factory: Callable[[int], EtcdServer | EtcdCluster], retries: int = _PORT_RETRIES
+) -> EtcdServer | EtcdCluster:
+    """Build with ``factory(attempt)`` and start; rebuild on fresh ports if the start fails.
 
-    Each attempt is registered on ``stack`` for shutdown before it starts, so an interrupt during the
-    start leaves no process behind. Ports come from :func:`free_ports` and may be taken by someone else
-    before etcd binds them; a fresh set of ports (and a fresh data directory, since etcd remembers its
-    peer URLs there) then fixes the start.
+    Ports come from :func:`free_ports` and may be taken by someone else before etcd
+    binds them; a fresh set of ports (and a fresh data directory per attempt, since
+    etcd remembers its peer URLs there) then fixes the start.
     """
-    binary = find_etcd_binary()
     last_error: EtcdProcessError | None = None
-    for attempt in range(attempts):
-        base = base_dir / ("etcd-%d" % attempt)
-        server = EtcdCluster.create(binary, base, 3) if kind == "cluster" else EtcdServer.create(binary, base / "data")
-        stack.callback(server.stop)
+    for attempt in range(retries):
+        server = factory(attempt)
         try:
             server.start()
             return server
@@ -345,4 +373,22 @@ def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _POR
             server.stop()
             last_error = exc
             logger.warning("etcd start failed, retrying on fresh ports: %s", exc)
-    raise EtcdProcessError("etcd did not start after %d attempts: %s" % (attempts, last_error))
+    raise EtcdProcessError("etcd did not start after %d attempts" % retries) from last_error
+
+
+def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _PORT_RETRIES) -> EtcdServer | EtcdCluster:
+    """Start one member (``kind`` ``embedded``) or a 3-member cluster (``cluster``) on fresh ports under
+    ``base_dir``, with :func:`start_with_port_retries`.
+
+    Each attempt is registered on ``stack`` for shutdown before it starts, so an interrupt during the
+    start leaves no process behind.
+    """
+    binary = find_etcd_binary()
+
+    def build(attempt: int) -> EtcdServer | EtcdCluster:
+        base = base_dir / ("etcd-%d" % attempt)
+        server = EtcdCluster.create(binary, base, 3) if kind == "cluster" else EtcdServer.create(binary, base / "data")
+        stack.callback(server.stop)
+        return server
+
+    return start_with_port_retries(build, attempts)

@@ -43,7 +43,7 @@ from chaos.faults import (
     SpotServer,
     make_faults,
 )
-from chaos.s3 import BUCKET, MotoServer, S3ProcessError, StorageProxy, client_env, storage_options
+from chaos.s3 import BUCKET, StorageProxy, client_env, start_on_free_port, storage_options
 from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
     NodeOutcome,
@@ -117,7 +117,7 @@ def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Servi
 
 
 def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) -> None:
-    moto = _start_moto(workdir / "moto.log", stack)
+    moto = start_on_free_port(workdir / "moto.log", stack=stack)
     proxy = StorageProxy(moto.port).start()
     stack.callback(proxy.close)
     services.proxy = proxy
@@ -125,20 +125,6 @@ def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) ->
     services.checkpoint_args = ["--checkpoint-storage-options", json.dumps({"endpoint_url": proxy.endpoint})]
     services.node_env = client_env(proxy.endpoint)
     services.store_options = storage_options(moto.endpoint)
-
-
-def _start_moto(log_path: Path, stack: ExitStack, attempts: int = 3) -> MotoServer:
-    last: S3ProcessError | None = None
-    for _ in range(attempts):  # the port may be taken between choosing and binding it
-        server = MotoServer.create(log_path)
-        stack.callback(server.stop)
-        try:
-            server.start()
-            return server
-        except S3ProcessError as exc:
-            server.stop()
-            last = exc
-    raise S3ProcessError(f"the S3 endpoint did not start in {attempts} attempts: {last}")
 
 
 # -- the job ------------------------------------------------------------------------------

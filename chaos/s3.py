@@ -1,9 +1,9 @@
 """An S3 endpoint on 127.0.0.1 for chaos scenarios, and a proxy in front of it that fails or slows it.
 
-:class:`MotoServer` is moto's S3 server in a subprocess of its own session (adapted from
-``tests/fixtures/s3_proc.py``: chaos never imports from ``tests/``), serving one request at a
-time so that conditional writes (``If-None-Match: *``, the manifest's commit) are atomic as on
-S3. moto keeps objects in memory only: stopping it loses every checkpoint, which no real outage
+:class:`MotoServer` is moto's S3 server in a subprocess of its own session (the tests use it
+too, through ``tests/fixtures/s3_proc.py``), serving one request at a time so that conditional
+writes (``If-None-Match: *``, the manifest's commit) are atomic as on S3 (see :func:`serve`).
+``pause()``/``resume()`` (SIGSTOP/SIGCONT) keep the objects while requests hang. moto keeps objects in memory only: stopping it loses every checkpoint, which no real outage
 does. So the job never talks to moto directly but through a :class:`StorageProxy`, a TCP proxy
 on 127.0.0.1 that a fault can switch
 
@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -38,12 +39,13 @@ from chaos.scenario import ChaosError
 
 logger = logging.getLogger(__name__)
 
-BUCKET = "elastic-ddp-chaos"
+BUCKET = "elastic-ddp"
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
 _POLL_INTERVAL_S = 0.05
 _CHUNK = 64 * 1024
+_PORT_RETRIES = 3
 
 
 class S3ProcessError(ChaosError):
@@ -58,10 +60,11 @@ class MotoServer:
         self.log_path = log_path
         self.bucket = bucket
         self._proc: subprocess.Popen[bytes] | None = None
+        self._paused = False
 
     @classmethod
     def create(cls, log_path: Path, bucket: str = BUCKET) -> MotoServer:
-        """A server on a port that was free a moment ago."""
+        """A server on a port that was free a moment ago (see :func:`start_on_free_port`)."""
         return cls(free_ports(1)[0], log_path, bucket)
 
     @property
@@ -70,30 +73,52 @@ class MotoServer:
         return "http://%s:%d" % (HOST, self.port)
 
     @property
+    def env(self) -> dict[str, str]:
+        """The standard AWS environment that points a client (or a child process) at this server."""
+        return client_env(self.endpoint)
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while the server runs, else ``None``."""
+        return self._proc.pid if self.running else None
+
+    @property
     def running(self) -> bool:
-        """Whether the process was started and has not exited."""
+        """Whether the process was started and has not exited (a paused server counts as running)."""
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused and self.running
 
     def start(self, timeout: float = 30.0) -> None:
         """Start the process, wait until it answers, create the bucket."""
+        if self.running:
+            raise S3ProcessError("moto server on port %d is already running (pid %d)" % (self.port, self.pid))
+        self._launch()
+        self._wait_ready(time.monotonic() + timeout)
+        self._create_bucket()
+
+    def _launch(self) -> None:
         command = [sys.executable, "-m", "chaos.s3", HOST, str(self.port)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                           cwd=Path(__file__).resolve().parents[1])
+        self._paused = False
         logger.info("started moto server pid=%d endpoint=%s", self._proc.pid, self.endpoint)
-        self._wait_ready(time.monotonic() + timeout)
-        self._create_bucket()
 
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if not self.running:
-                raise S3ProcessError("moto server exited during startup; log tail:\n%s" % self.log_tail())
+                raise S3ProcessError(
+                    "moto server exited with %s during startup; log tail:\n%s"
+                    % (self._proc.returncode if self._proc else None, self.log_tail())
+                )
             if self.answers():
                 return
             time.sleep(_POLL_INTERVAL_S)
-        raise S3ProcessError("moto server at %s did not answer before the deadline; log tail:\n%s"
-                             % (self.endpoint, self.log_tail()))
+        raise S3ProcessError("moto server at %s did not answer before the deadline; log tail:\n%s" % (self.endpoint, self.log_tail()))
 
     def answers(self) -> bool:
         """One ``GET /moto-api/`` probe."""
@@ -114,12 +139,30 @@ class MotoServer:
         if not self.running:
             return
         assert self._proc is not None
-        os.kill(self._proc.pid, signal.SIGTERM)
+        self.resume()
+        self._signal(signal.SIGTERM)
         try:
             self._proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.kill(self._proc.pid, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self._proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open, requests hang, objects are kept."""
+        if self.running and not self._paused:
+            self._signal(signal.SIGSTOP)
+            self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.paused:
+            self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def _signal(self, signum: int) -> None:
+        assert self._proc is not None
+        logger.info("sending %s to moto server pid=%d", signal.Signals(signum).name, self._proc.pid)
+        os.kill(self._proc.pid, signum)
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the server's log file."""
@@ -127,6 +170,26 @@ class MotoServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "<no log>"
+
+
+def start_on_free_port(log_path: Path, retries: int = _PORT_RETRIES, stack: ExitStack | None = None) -> MotoServer:
+    """A started server; picks a fresh port and tries again when another process took the first one.
+
+    With ``stack``, each attempt is registered on it for shutdown before it starts, so an
+    interrupt during the start leaves no process behind.
+    """
+    last_error: S3ProcessError | None = None
+    for _ in range(retries):
+        server = MotoServer.create(log_path)
+        if stack is not None:
+            stack.callback(server.stop)
+        try:
+            server.start()
+            return server
+        except S3ProcessError as exc:
+            server.stop()
+            last_error = exc
+    raise S3ProcessError("moto server did not start in %d attempts: %s" % (retries, last_error))
 
 
 def client_env(endpoint: str) -> dict[str, str]:
@@ -264,7 +327,14 @@ def _exit(signum: int, frame: FrameType | None) -> None:
 
 
 def serve(host: str, port: int) -> None:
-    """moto's server, one request at a time (its threaded server races conditional PUTs)."""
+    """moto's server, one request at a time.
+
+    ``moto_server`` serves each request in its own thread, and moto checks ``If-None-Match: *``
+    and stores the object as two separate steps: two conditional PUTs racing for one key can
+    both succeed (about 1 race in 300 here), which real S3 never allows. The commit protocol's
+    tests race exactly such PUTs, so this endpoint serves requests one after the other, which
+    makes its conditional writes atomic like S3's. Everything else is moto's own server.
+    """
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
 
