@@ -335,8 +335,10 @@ class ScenarioRun:
         self._scan()
         final, final_error = self._final_checkpoint()
         removed = {name: fault.record.label for fault in self.faults for name in fault.record.removes}
+        trained = {event.node for event in events if event.kind == "pg-formed"}
         nodes = [NodeOutcome(node.name, None if node.name in self.running_at_end else node.returncode,
-                             removed.get(node.name, "")) for node in self.cluster.nodes]
+                             removed.get(node.name, ""), arrived_late=_arrived_late(node, trained))
+                 for node in self.cluster.nodes]
         ended_at = max([step.time for step in steps] + [event.time for event in events if event.kind == "done"], default=ended)
         facts = RunFacts(scenario=self.scenario.name, max_steps=self.scenario.job.max_steps,
                          open_schedule=self.scenario.open_schedule, started_at=self.started_wall,
@@ -374,3 +376,10 @@ def run_scenario(scenario: Scenario, options: RunOptions) -> RunFacts:
         finally:
             cluster.close()
         return run.facts(workdir, reference)
+
+
+def _arrived_late(node: Node, trained: set[str]) -> bool:
+    """The node's agent ended because the job had finished before it could join: it never formed a
+    process group, and its agent failed with torch's ``RendezvousClosedError``."""
+    return (node.name not in trained and node.returncode not in (0, None)
+            and "RendezvousClosedError" in node.output())

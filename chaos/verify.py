@@ -83,6 +83,9 @@ class NodeOutcome:
     returncode: int | None
     removed_by: str = ""
     """The fault that took it out of the job, if one did."""
+    arrived_late: bool = False
+    """It never trained: its agent found the rendezvous closed because the job had finished
+    (torchrun's agent then exits 1 with ``RendezvousClosedError``; nothing of the job is lost)."""
 
 
 @dataclass(frozen=True)
@@ -288,14 +291,16 @@ def check_faults_fired(faults: list[FaultRecord], open_schedule: bool = False) -
 
 
 def check_survivors(nodes: list[NodeOutcome]) -> Check:
-    survivors = [node for node in nodes if not node.removed_by]
+    survivors = [node for node in nodes if not node.removed_by and not node.arrived_late]
+    late = [node.name for node in nodes if node.arrived_late and not node.removed_by]
     bad = [f"{node.name} exited {node.returncode}" if node.returncode is not None else f"{node.name} still ran at the end"
            for node in survivors if node.returncode != 0]
+    note = f"; {', '.join(late)} arrived after the job had finished (rendezvous closed)" if late else ""
     if not survivors:
-        return Check("survivors-exit-0", False, "no node survived the scenario")
+        return Check("survivors-exit-0", False, "no node survived the scenario" + note)
     if bad:
-        return Check("survivors-exit-0", False, "; ".join(bad))
-    return Check("survivors-exit-0", True, f"{', '.join(node.name for node in survivors)} exited 0")
+        return Check("survivors-exit-0", False, "; ".join(bad) + note)
+    return Check("survivors-exit-0", True, f"{', '.join(node.name for node in survivors)} exited 0" + note)
 
 
 def check_final_checkpoint(final: CheckpointFacts | None, error: str, max_steps: int) -> Check:

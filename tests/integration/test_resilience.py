@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import re
 import signal
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from chaos.cluster import JobSpec, LocalCluster, wait_for
+from chaos.faults import SpotServer
 from tests.jobs import BASE_ARGS, TRAIN, inspect, train_ok
 
 pytestmark = pytest.mark.integration
@@ -98,45 +97,21 @@ def test_preempted_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
     check_no_step_redone_and_same_data(tmp_path, reference)
 
 
-class SpotMetadata(BaseHTTPRequestHandler):
-    """AWS's instance-action endpoint: 404 until a notice is issued, then 200 with the action."""
-
-    notice = threading.Event()
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's API name
-        if self.notice.is_set() and self.path == "/latest/meta-data/spot/instance-action":
-            body = b'{"action": "terminate", "time": "2026-11-30T12:00:00Z"}'
-            self.send_response(200)
-        else:
-            body = b"Not Found"
-            self.send_response(404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.mark.slow  # the same agreement and save path as test_preempted_node_loses_no_work; the poller has unit tests
 def test_spot_notice_on_one_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SpotMetadata)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/latest/meta-data/spot/instance-action"
+    spot = SpotServer().start()  # AWS's instance-action path per node: 404 until a notice is issued
     try:
         with make_cluster(tmp_path, "1:2") as cluster:
             survivor = cluster.add_node()
-            leaving = cluster.add_node(["--resilience-spot-notice-url", url, "--resilience-spot-poll-interval-s", "0.5"])
+            leaving = cluster.add_node(["--resilience-spot-notice-url", spot.url("leaving"),
+                                        "--resilience-spot-poll-interval-s", "0.5"])
             at_notice = wait_for_step(tmp_path, 80, world_size=4)
-            SpotMetadata.notice.set()
+            spot.notify("leaving")
             leaving.wait(timeout=60)
             assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
             out = survivor.output()
     finally:
-        SpotMetadata.notice.clear()
-        server.shutdown()
-        server.server_close()
+        spot.close()
     stop = agreed_stop_step(out)
     assert stop >= at_notice
     assert "spot interruption notice" in leaving.output()

@@ -159,6 +159,13 @@ def test_a_survivor_that_failed_is_named_and_removed_nodes_are_not_judged() -> N
     assert check_survivors([NodeOutcome("node0", 0), NodeOutcome("node1", -9, "x")]).passed
 
 
+def test_a_node_that_arrived_after_the_job_finished_is_reported_not_failed() -> None:
+    late = NodeOutcome("node8", 1, arrived_late=True)
+    check = check_survivors([NodeOutcome("node4", 0), late])
+    assert check.passed and check.message == "node4 exited 0; node8 arrived after the job had finished (rendezvous closed)"
+    assert not check_survivors([NodeOutcome("node4", 1), late]).passed
+
+
 def test_a_final_checkpoint_short_of_max_steps_fails_naming_its_step() -> None:
     facts = clean_facts()
     check = check_final_checkpoint(replace(facts.final, step=80), "", 100)
