@@ -288,10 +288,7 @@ class Trainer:
             pending, self._pending_flags = self._pending_flags, (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
             if pending is None:
                 return None, False
-            self.watchdog.enter("collective")
-            flags, work = pending
-            work.wait()
-            self.watchdog.enter("step")
+            flags = self._wait_for(pending)
         stop_any, save_due = bool(flags[0]), bool(flags[1])
         if not stop_any:
             return None, save_due
@@ -301,9 +298,15 @@ class Trainer:
         """Complete the all-reduce still in flight when the loop ends (every rank started it)."""
         pending, self._pending_flags = self._pending_flags, None
         if pending is not None:
-            self.watchdog.enter("collective")
-            pending[1].wait()
-            self.watchdog.enter("step")
+            self._wait_for(pending)
+
+    def _wait_for(self, pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
+        """The agreed flags of a started all-reduce, waited for under the collective phase's limit."""
+        flags, work = pending
+        self.watchdog.enter("collective")
+        work.wait()
+        self.watchdog.enter("step")
+        return flags
 
     def _periodic_checks(self, save_due: bool) -> None:
         step = self.state.counters.step

@@ -196,12 +196,8 @@ class FsspecStorage:
             )
 
     def _put_whole(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        parts: list[bytes | memoryview] = []
         with Checksum() as checksum:
-            for chunk in chunks:
-                checksum.update(chunk)
-                parts.append(chunk)
-            self._fs.pipe_file(path, b"".join(parts))
+            self._fs.pipe_file(path, b"".join(_hashed(chunks, checksum)))
             return checksum.record()
 
     def create(self, path: str, data: bytes) -> None:

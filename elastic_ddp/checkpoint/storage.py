@@ -178,12 +178,9 @@ class LocalStorage:
         self.write(path, [data])
 
     def read(self, path: str) -> bytes:
-        """The whole file, in a writable buffer: tensors decoded from it need no copy."""
         with _local_errors("read", path):
             with open(path, "rb") as handle:
-                data = bytearray(os.fstat(handle.fileno()).st_size)
-                del data[handle.readinto(data):]  # a file cut short meanwhile reads short, not zero-padded
-                return data  # type: ignore[return-value]  # bytes-like; writable on purpose
+                return handle.read()
 
     def read_hashed(self, path: str) -> tuple[memoryview, FileRecord]:
         """The whole file, writable, with its size and SHA-256; the hash of one chunk runs on a
