@@ -216,7 +216,7 @@ LEGACY_STEPS = 60
 def test_training_runs_under_torchs_legacy_etcd_backend(etcd_server_v2: EtcdServer, tmp_path: Path) -> None:
     """The training side reads only torchrun's environment, so torch's v2-API ``etcd`` backend
     (python-etcd) drives it as well: two nodes, world 2, the samples of a one-process run."""
-    pytest.importorskip("etcd", reason="torch's legacy --rdzv-backend=etcd needs python-etcd: pip install python-etcd")
+    import etcd  # noqa: F401  # python-etcd, from the test extra: torch's legacy backend needs it; fail, never skip
     conf = {"timeout": "60", "last_call_timeout": "1"}
     job = make_job(tmp_path, job_args(tmp_path, LEGACY_STEPS), backend="etcd", endpoint=etcd_server_v2.endpoint,
                    nnodes="2", nproc=1, conf=conf)
