@@ -51,6 +51,9 @@ class JobSpec:
     max_restarts: int = 10
     monitor_interval_s: float = 0.2
     env: dict[str, str] = field(default_factory=dict)
+    prefork: bool = False
+    """Start workers through :mod:`elastic_ddp.prefork` (a per-node fork server that imported torch
+    once), so a restart does not pay for Python importing torch again."""
 
     def torchrun_command(self, extra_args: Sequence[str] = ()) -> list[str]:
         conf = ",".join(f"{key}={value}" for key, value in self.rdzv_conf.items())
@@ -63,7 +66,8 @@ class JobSpec:
         ]
         if conf:
             command.append(f"--rdzv-conf={conf}")
-        return command + [self.script, *self.args, *extra_args]
+        launcher = ["-m", "elastic_ddp.prefork"] if self.prefork else []
+        return command + [*launcher, self.script, *self.args, *extra_args]
 
 
 class Node:
@@ -147,12 +151,54 @@ class Node:
                 pass
         if self.process.poll() is None:
             self.process.wait(timeout=30)
+        self._stop_fork_servers()
+
+    def _stop_fork_servers(self) -> None:
+        """SIGKILL the agent's :mod:`elastic_ddp.prefork` server, if any, and wait until it is gone.
+        (It exits by itself once the agent has, but not while it is still importing torch.)"""
+        servers = fork_servers(self.pid)
+        for pid in servers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while servers and time.monotonic() < deadline:
+            servers = [pid for pid in servers if process_alive(pid)]
+            time.sleep(0.02)
 
 
 def _accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
             return True
+    except OSError:
+        return False
+
+
+def fork_servers(agent_pid: int) -> list[int]:
+    """Pids of the prefork servers serving ``agent_pid`` (``... elastic_ddp.prefork --serve ADDRESS AGENT_PID``)."""
+    servers = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if b"elastic_ddp.prefork" in argv and b"--serve" in argv:
+            serve = argv.index(b"--serve")
+            if argv[serve + 2 : serve + 3] == [str(agent_pid).encode()]:
+                servers.append(int(entry))
+    return servers
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 

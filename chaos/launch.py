@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", default="local", help="torchrun --rdzv-id (default local)")
     parser.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts (default 10)")
     parser.add_argument("--workdir", default="", help="node logs and embedded etcd data (default: a new temp dir)")
+    parser.add_argument("--prefork", action="store_true",
+                        help="start workers through a per-node fork server that imported torch once "
+                             "(elastic_ddp.prefork): restarts skip importing torch")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="stop every node after this long (default 3600)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 
@@ -65,7 +68,7 @@ def launch(args: argparse.Namespace) -> int:
         conf = ETCD_CONF if args.rdzv_backend == "etcd-v3" else RDZV_CONF
         spec = JobSpec(script=command[0], args=command[1:], nnodes=args.nodes, nproc_per_node=args.nproc_per_node,
                        rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint, rdzv_conf=dict(conf),
-                       run_id=args.run_id, max_restarts=args.max_restarts)
+                       run_id=args.run_id, max_restarts=args.max_restarts, prefork=args.prefork)
         cluster = stack.enter_context(LocalCluster(spec, workdir))
         cluster.start(start)
         print(f"launched {start} node(s) x {args.nproc_per_node} worker(s), rendezvous {args.rdzv_backend} at "

@@ -141,6 +141,7 @@ def job_spec(scenario: Scenario, services: Services, workdir: Path) -> JobSpec:
         rdzv_backend=cluster.rdzv_backend, rdzv_endpoint=services.rdzv_endpoint,
         rdzv_conf=dict(ETCD_CONF if cluster.rdzv_backend == "etcd-v3" else RDZV_CONF),
         run_id=scenario.name, max_restarts=cluster.max_restarts, env={**NODE_ENV, **services.node_env},
+        prefork=cluster.prefork,
     )
 
 

@@ -21,6 +21,7 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
     rdzv_backend = "etcd-v3"      # or "c10d"
     etcd = "embedded"             # "none", "embedded" (one member) or "cluster" (three members)
     checkpoint = "local"          # or "s3" (an embedded S3 endpoint behind a fault proxy)
+    prefork = false               # true: workers start from a fork server (no hang-* faults then)
 
     [[faults]]
     kind = "kill-worker"
@@ -180,6 +181,8 @@ class ClusterConfig:
     """``local`` (a directory in the run's work directory) or ``s3`` (embedded endpoint)."""
     max_restarts: int = 30
     """``torchrun --max-restarts``: every failure, join and departure consumes one."""
+    prefork: bool = False
+    """Workers start through :mod:`elastic_ddp.prefork`: restarts skip importing torch."""
 
     @property
     def min_nodes(self) -> int:
@@ -292,6 +295,7 @@ def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
         etcd=reader.choice("etcd", ("none", "embedded", "cluster"), "embedded"),
         checkpoint=reader.choice("checkpoint", ("local", "s3"), "local"),
         max_restarts=reader.integer("max_restarts", default=30, minimum=0),
+        prefork=reader.boolean("prefork", default=False),
     )
     reader.reject_unknown()
     if not low <= cluster.start_nodes <= high:
@@ -376,6 +380,8 @@ def fault_problems(faults: tuple[FaultSpec, ...], cluster: ClusterConfig) -> lis
         if fault.kind == "crash-worker" and (trigger.at_step is None or trigger != Trigger(at_step=trigger.at_step)):
             problems.append(f"{key}.at_step: crash-worker fires inside the job (ELASTIC_DDP_FAULT) at a step of "
                             "its first launch: give at_step alone")
+        if fault.kind in ("hang-worker", "hang-node") and cluster.prefork:
+            problems.append(f"{key}: SIGSTOP stops a prefork launcher, not its worker; set cluster.prefork = false")
         if fault.kind == "kill-during-save" and not fault.trigger.during_save:
             problems.append(f"{key}.during_save: kill-during-save always waits for a save; leave it true")
         most = cluster.max_nodes * cluster.nproc_per_node

@@ -38,13 +38,14 @@ _PG_FORMED = re.compile(r"process group formed: rank 0/\d+ .* store=(\S+)")
 _RESUMED = re.compile(r"elastic_ddp.trainer: resumed from \S+: step (\d+),")
 
 
-def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: int, seed: int) -> tuple[list[Restart], str]:
+def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: int, seed: int,
+                   prefork: bool = False) -> tuple[list[Restart], str]:
     """Two one-worker nodes over etcd-v3; ``kills`` times: kill a random worker, wait for the
     restart to complete a step, then for it to commit a checkpoint newer than the one it resumed
     from (so every attempt resumes from further on). Returns the restarts and the nodes' logs."""
     job = make_job(workdir, job_args(workdir, steps, checkpoint_every=10), backend="etcd-v3",
                    endpoint=etcd_server.endpoint, nnodes=str(NODES), nproc=1, max_restarts=kills + 5,
-                   unset=(FRESH_STORE_ENV,))
+                   unset=(FRESH_STORE_ENV,), prefork=prefork)
     rng = random.Random(seed)
     restarts = []
     with job:
@@ -92,6 +93,18 @@ def test_five_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weigh
     assert [r.attempts for r in restarts] == [1] * 5, restarts  # every first restart formed its group
     check_resumed_further_each_time(output, kills=5)
     check_fresh_store_per_attempt(output, attempts=6)
+    assert done_fields(output)["model_digest"] == reference_400["model_digest"]
+
+
+def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal_weights(
+    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict[str, str]
+) -> None:
+    """``-m elastic_ddp.prefork``: the launcher is what torchrun starts and kill -9 hits, the
+    training runs in the fork server's child; kills and restarts behave exactly as without it."""
+    restarts, output = run_with_kills(etcd_server, tmp_path, kills=3, steps=400, seed=3, prefork=True)
+    assert [r.attempts for r in restarts] == [1] * 3, restarts
+    assert "elastic_ddp.prefork" not in output  # the launcher logs only when it had to run a worker itself
+    check_resumed_further_each_time(output, kills=3)
     assert done_fields(output)["model_digest"] == reference_400["model_digest"]
 
 
