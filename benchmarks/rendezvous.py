@@ -12,17 +12,20 @@ Parts:
     A job of two one-worker nodes (the example trainer, gloo, checkpoint every 10 steps,
     ``last_call_timeout=1``) is hit by ``kill -9`` of a random worker, again and again; after
     each kill the next comes once the restarted attempt completed a step and committed a newer
-    checkpoint. Three loops:
+    checkpoint. Five loops, in this order:
 
     - ``etcd-v3``: the agents' environment does not set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``
       (the handler's own default applies: a fresh worker store per attempt);
     - ``c10d fresh store``: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what the launch scripts set);
+    - ``etcd-v3 + prefork`` and ``c10d fresh store + prefork``: the same, workers started through
+      ``-m elastic_ddp.prefork`` (a per-node fork server that imported torch once);
     - ``c10d torch default``: the variable unset, i.e. torch's shared agent store.
 
     Per kill: recovery time (kill -> first step completed by the new attempt, from the wall-clock
     ``time`` of rank 0's metrics.jsonl records) and whether the first restart worked (``ok``),
     needed further worker generations (``retried``), or completed no step within 90 s (``hung``;
-    the harness then SIGKILLs the workers to go on). Targets: etcd-v3 median recovery <= 1.1x
+    the harness then SIGKILLs the workers to go on), or whether the job died (``lost``: every agent
+    exited, which ends that loop). Targets: etcd-v3 median recovery <= 1.1x
     c10d's and <= 5 s; 30 of 30 restarts ok.
 
 ``scale``
@@ -103,6 +106,7 @@ class Loop:
     backend: str
     env: dict[str, str]
     unset: tuple[str, ...]
+    prefork: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,9 +120,13 @@ class KillOutcome:
     the rest of the recovery is starting the workers and their first step."""
     attempts: int
     """Complete worker generations started until one completed a step."""
+    job_lost: bool = False
+    """Every agent exited (e.g. out of restarts after hung attempts); the loop ends there."""
 
     @property
     def verdict(self) -> str:
+        if self.job_lost:
+            return "lost"
         if self.recovery_s is None:
             return "hung"
         return "ok" if self.attempts == 1 else "retried"
@@ -128,15 +136,21 @@ def run_loop(loop: Loop, kills: int, endpoint: str, workdir: Path, rng: random.R
     """``kills`` consecutive kill -9s of a random worker in one job; one outcome per kill."""
     job = make_job(workdir, job_args(workdir, FOREVER_STEPS, checkpoint_every=10), backend=loop.backend,
                    endpoint=endpoint, nnodes=str(NODES), nproc=1, max_restarts=3 * kills + 10,
-                   env={**AGENT_INFO, **loop.env}, unset=loop.unset)
+                   env={**AGENT_INFO, **loop.env}, unset=loop.unset, prefork=loop.prefork)
     outcomes: list[KillOutcome] = []
     with job:
         job.start(NODES)
         wait_for(lambda: committed_step(workdir) > 0, 300, "%s: the first checkpoint" % loop.label)
         for index in range(kills):
-            outcome, step = one_kill(job, workdir, rng)
+            try:
+                outcome, step = one_kill(job, workdir, rng)
+            except RuntimeError as exc:  # every agent exited: nothing left to restart
+                outcome, step = KillOutcome(None, None, 0, job_lost=True), 0
+                print("  %-26s kill %2d/%d: job lost (%s)" % (loop.label, index + 1, kills, exc), flush=True)
+                outcomes.append(outcome)
+                break
             outcomes.append(outcome)
-            print("  %-20s kill %2d/%d: %-7s %s" % (loop.label, index + 1, kills, outcome.verdict, _times(outcome)),
+            print("  %-26s kill %2d/%d: %-7s %s" % (loop.label, index + 1, kills, outcome.verdict, _times(outcome)),
                   flush=True)
             wait_for(lambda: committed_step(workdir) >= step, 120, "a checkpoint of step %d" % step)
     return outcomes
@@ -190,6 +204,8 @@ def restart_loops(kills: int, recovery_kills: int, endpoint: str, workdir: Path,
     loops = [
         (Loop("etcd-v3", "etcd-v3", {}, (FRESH_STORE_ENV,)), kills),
         (Loop("c10d fresh store", "c10d", {FRESH_STORE_ENV: "1"}, ()), recovery_kills),
+        (Loop("etcd-v3 + prefork", "etcd-v3", {}, (FRESH_STORE_ENV,), prefork=True), recovery_kills),
+        (Loop("c10d fresh store + prefork", "c10d", {FRESH_STORE_ENV: "1"}, (), prefork=True), recovery_kills),
         (Loop("c10d torch default", "c10d", {}, (FRESH_STORE_ENV,)), kills),
     ]
     results = {}
@@ -202,25 +218,28 @@ def restart_loops(kills: int, recovery_kills: int, endpoint: str, workdir: Path,
 
 def report_restarts(results: dict[str, list[KillOutcome]]) -> None:
     print("\nrestarts after kill -9 of a random worker (2 nodes x 1 worker, last_call_timeout=1)")
-    print("  %-20s %5s %4s %8s %5s  %-32s %s" % ("", "kills", "ok", "retried", "hung",
-                                               "recovery s: median / min / max", "of which rendezvous: median"))
+    print("  %-26s %5s %4s %8s %5s %5s  %-32s %s" % ("", "kills", "ok", "retried", "hung", "lost",
+                                                    "recovery s: median / min / max", "of which rendezvous: median"))
     for label, outcomes in results.items():
         good = [o for o in outcomes if o.verdict == "ok"]
         times = [o.recovery_s for o in good]
         rendezvous = [o.rendezvous_s for o in good if o.rendezvous_s is not None]
         verdicts = [o.verdict for o in outcomes]
         spread = "%.2f / %.2f / %.2f" % (statistics.median(times), min(times), max(times)) if times else "-"
-        print("  %-20s %5d %4d %8d %5d  %-32s %s" % (
-            label, len(outcomes), verdicts.count("ok"), verdicts.count("retried"), verdicts.count("hung"), spread,
+        print("  %-26s %5d %4d %8d %5d %5d  %-32s %s" % (
+            label, len(outcomes), verdicts.count("ok"), verdicts.count("retried"), verdicts.count("hung"),
+            verdicts.count("lost"), spread,
             "%.2f" % statistics.median(rendezvous) if rendezvous else "-"))
-    etcd, c10d = (results.get(k) for k in ("etcd-v3", "c10d fresh store"))
-    if etcd and c10d:
-        ratio = _median_ok(etcd) / _median_ok(c10d)
-        print("  etcd-v3 / c10d (fresh store) median recovery: %.2fx" % ratio)
+    for suffix in ("", " + prefork"):
+        etcd, c10d = (results.get(k + suffix) for k in ("etcd-v3", "c10d fresh store"))
+        if etcd and c10d and _median_ok(etcd) and _median_ok(c10d):
+            print("  etcd-v3%s / c10d fresh store%s median recovery: %.2fx"
+                  % (suffix, suffix, _median_ok(etcd) / _median_ok(c10d)))
 
 
-def _median_ok(outcomes: list[KillOutcome]) -> float:
-    return statistics.median(o.recovery_s for o in outcomes if o.verdict == "ok")
+def _median_ok(outcomes: list[KillOutcome]) -> float | None:
+    times = [o.recovery_s for o in outcomes if o.verdict == "ok"]
+    return statistics.median(times) if times else None
 
 
 # -- scale ----------------------------------------------------------------------------------
@@ -370,7 +389,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="restarts,scale", help="comma-separated: restarts, scale")
     parser.add_argument("--kills", type=int, default=30, help="kills in the etcd-v3 and torch-default loops")
-    parser.add_argument("--recovery-kills", type=int, default=10, help="kills in the c10d fresh-store loop")
+    parser.add_argument("--recovery-kills", type=int, default=10,
+                        help="kills in the c10d fresh-store loop and the two prefork loops")
     parser.add_argument("--agents", default="16,64,256", help="agent counts for the scale part")
     parser.add_argument("--agents-per-process", type=int, default=32, help="scale part: agents (threads) per process")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of worker to kill")

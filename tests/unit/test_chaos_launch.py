@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from chaos.cluster import JobSpec
 from chaos.launch import add_arguments, launch, node_range
 from chaos.scenario import ScenarioError
 
@@ -37,3 +38,12 @@ def test_launch_without_a_script_says_how_to_name_one() -> None:
 def test_a_start_count_outside_the_node_range_is_refused() -> None:
     with pytest.raises(ScenarioError, match="--nodes-start 4 is outside --nodes 1:2"):
         launch(parse("--nodes", "1:2", "--nodes-start", "4", "--", "examples/train.py"))
+
+
+def test_prefork_puts_the_launcher_module_before_the_script() -> None:
+    plain = JobSpec(script="train.py", args=["--max-steps", "5"]).torchrun_command()
+    prefork = JobSpec(script="train.py", args=["--max-steps", "5"], prefork=True).torchrun_command()
+    assert plain[-3:] == ["train.py", "--max-steps", "5"] and "elastic_ddp.prefork" not in plain
+    assert prefork[-5:] == ["-m", "elastic_ddp.prefork", "train.py", "--max-steps", "5"]
+    assert prefork[:-3] == plain[:-3] + ["-m", "elastic_ddp.prefork"]
+    assert parse("--prefork", "--", "train.py").prefork and not parse("--", "train.py").prefork

@@ -149,3 +149,13 @@ def test_a_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
     path.write_text("name = \n")
     with pytest.raises(ScenarioError, match="bad.toml"):
         load_scenario(str(path))
+
+
+def test_prefork_runs_workers_through_the_fork_server_but_cannot_host_sigstop_faults() -> None:
+    data = document()
+    data["cluster"].update(prefork=True)
+    scenario = parse_scenario(data, "t.toml")
+    assert scenario.cluster.prefork
+    data = document(faults=[{"kind": "hang-worker", "at_step": 5, "target": "rank:1", "duration_s": 3}])
+    data["cluster"].update(prefork=True)
+    assert "faults[0] (hang-worker): SIGSTOP stops a prefork launcher, not its worker" in problems_of(data)
