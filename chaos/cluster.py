@@ -73,12 +73,16 @@ class JobSpec:
 class Node:
     """One simulated node: a torchrun agent in its own process group, its output in a log file."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
+                 prefork_script: str = "") -> None:
         self.name = name
         self.command = command
         self.env = env
         self.log_path = log_path
+        self.prefork_script = prefork_script
+        """The script of a job run through :mod:`elastic_ddp.prefork`: its fork server starts with the agent."""
         self.process: subprocess.Popen | None = None
+        self.fork_server: subprocess.Popen | None = None
         self.started_at = 0.0
 
     def start(self) -> Node:
@@ -91,6 +95,10 @@ class Node:
         finally:
             log.close()
         self.started_at = time.monotonic()
+        if self.prefork_script:  # importing torch overlaps the agent's rendezvous, not the workers' start
+            from elastic_ddp.prefork import start_server
+
+            self.fork_server = start_server(self.process.pid, self.prefork_script, self.env)
         logger.info("node %s started: agent pid %d", self.name, self.process.pid)
         return self
 
@@ -166,6 +174,8 @@ class Node:
         while servers and time.monotonic() < deadline:
             servers = [pid for pid in servers if process_alive(pid)]
             time.sleep(0.02)
+        if self.fork_server is not None:
+            self.fork_server.wait(timeout=30)
 
 
 def _accepts(host: str, port: int) -> bool:
@@ -257,7 +267,7 @@ class LocalCluster:
         """
         name = f"node{len(self.nodes)}"
         node = Node(name, self.spec.torchrun_command(extra_args), {**self.node_env(), **(env or {})},
-                    self.workdir / f"{name}.log")
+                    self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "")
         self.nodes.append(node.start())
         if self.spec.rdzv_backend == "c10d" and len(self.nodes) == 1:
             host, port = self.spec.rdzv_endpoint.rsplit(":", 1)

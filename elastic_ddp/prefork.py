@@ -25,6 +25,7 @@ Process semantics, as torchrun and a user see them:
 - The server serves one agent (keyed by the agent's pid, the interpreter and the script) and
   exits as soon as that agent does. If it cannot be reached or started, the launcher logs why
   and runs the script in its own process instead: slower, never wrong.
+- A worker's parent is the server; :func:`agent_pid` (``ELASTIC_DDP_AGENT_PID``) names its agent.
 - Children are forked before any CUDA or process-group initialisation (the server touches
   neither); each one re-seeds Python's ``random`` as a fresh interpreter would.
 
@@ -48,11 +49,13 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "
 """What the server imports before it forks anything."""
 PRELOAD_ENV = "ELASTIC_DDP_PREFORK_PRELOAD"
 """More modules for the server to import, comma-separated (the script's heavy dependencies)."""
+AGENT_PID_ENV = "ELASTIC_DDP_AGENT_PID"
+"""Set in a forked worker's environment: the pid of its torchrun agent, which is not its parent."""
 START_TIMEOUT_S = 120.0
 """How long a launcher waits for a server it started to accept (the server imports torch first)."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 _STDIO = 3
-_LIFELINE_FD = 3  # the count of stdio fds, i.e. the lifeline's index among the passed fds
+"""A request passes stdin, stdout, stderr and then the lifeline's read end."""
 _MAX_REQUEST = 1 << 20
 
 
@@ -106,11 +109,29 @@ def _recv_request(sock: socket.socket) -> tuple[dict, list[int]]:
 # -- launcher ---------------------------------------------------------------------------------
 
 
-def server_address(agent_pid: int, script: str) -> str:
-    """The abstract socket name of the server for this agent, interpreter and script."""
-    key = "\0".join([sys.executable, os.path.realpath(script), os.environ.get(PRELOAD_ENV, "")])
+def server_address(agent_pid: int, script: str, preload: str | None = None) -> str:
+    """The abstract socket name of the server for this agent, interpreter, script and preload list
+    (default: ``ELASTIC_DDP_PREFORK_PRELOAD`` of this process)."""
+    preload = os.environ.get(PRELOAD_ENV, "") if preload is None else preload
+    key = "\0".join([sys.executable, os.path.realpath(script), preload])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return f"\0elastic-ddp-prefork-{os.getuid()}-{agent_pid}-{digest}"
+
+
+def start_server(agent_pid: int, script: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the fork server for ``agent_pid``'s workers running ``script``; returns at once.
+
+    The first launcher of an agent calls this when it finds no server. Whoever starts the agent
+    may call it right after (``chaos.cluster`` does), so that the server's imports overlap the
+    agent's first rendezvous; a second server for the same agent exits at once.
+    The server holds none of the caller's files (a pipe it held would never see EOF)."""
+    env = dict(os.environ if env is None else env)
+    address = server_address(agent_pid, script, env.get(PRELOAD_ENV, ""))
+    return subprocess.Popen(  # noqa: S603 - our own module, the same interpreter
+        [sys.executable, "-u", "-m", "elastic_ddp.prefork", "--serve", address[1:], str(agent_pid), script],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True,
+    )
 
 
 def _connect(address: str) -> socket.socket | None:
@@ -124,16 +145,12 @@ def _connect(address: str) -> socket.socket | None:
 
 
 def connect_or_start(address: str, agent_pid: int, script: str) -> socket.socket:
-    """A connection to the server, starting it first when there is none."""
+    """A connection to the server, starting it first when there is none. The server binds
+    before it imports anything, so connections queue until it accepts."""
     sock = _connect(address)
     if sock is not None:
         return sock
-    subprocess.Popen(  # noqa: S603 - our own module, the same interpreter
-        [sys.executable, "-u", "-m", "elastic_ddp.prefork", "--serve", address[1:], str(agent_pid), script],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-    )
-    # The server holds none of this worker's files (a pipe it held would never see EOF); it
-    # binds before it imports anything, so connections queue until it accepts.
+    start_server(agent_pid, script)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         sock = _connect(address)
@@ -154,7 +171,8 @@ def launch(argv: list[str]) -> int:
         return _exec_directly(argv)
     lifeline_read, lifeline_write = os.pipe()
     try:
-        _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2, lifeline_read])
+        env = {**os.environ, AGENT_PID_ENV: str(agent_pid)}
+        _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": env}, [0, 1, 2, lifeline_read])
         answer = _recv(sock)
     except (OSError, ValueError) as exc:
         answer = {"error": str(exc)}
@@ -178,6 +196,11 @@ def launch(argv: list[str]) -> int:
     return int(status["code"])
 
 
+def agent_pid() -> int:
+    """The pid of this worker's torchrun agent: its parent, or its launcher's under prefork."""
+    return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
+
+
 def _forward(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -195,7 +218,8 @@ def _die_by(signum: int) -> None:
 
 
 def _exec_directly(argv: list[str]) -> int:
-    os.execv(sys.executable, [sys.executable, *argv])
+    unbuffered = ["-u"] if sys.stdout.write_through else []  # as torchrun started this launcher
+    os.execv(sys.executable, [sys.executable, *unbuffered, *argv])
     return 1  # not reached
 
 
@@ -310,7 +334,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds[:_STDIO]):
             os.dup2(fd, target)
             os.close(fd)
-        _watch_lifeline(fds[_LIFELINE_FD])
+        _watch_lifeline(fds[_STDIO])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

@@ -30,6 +30,8 @@ import os
 import signal
 import time
 
+from elastic_ddp.prefork import agent_pid
+
 logger = logging.getLogger(__name__)
 
 EXIT_CODES: dict[str, int] = {
@@ -80,6 +82,6 @@ def leave_job(stop_source: str | None) -> None:
     """
     if stop_source != "spot-notice" or os.environ.get("LOCAL_RANK") != "0" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    agent = os.getppid()
+    agent = agent_pid()
     logger.info("leaving the job: sending SIGTERM to this node's torchrun agent (pid %d)", agent)
     os.kill(agent, signal.SIGTERM)

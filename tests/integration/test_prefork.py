@@ -105,6 +105,7 @@ def test_workers_after_the_first_are_forked_by_one_server_with_torch_imported(wa
     servers = fork_servers(warm_agent.process.pid)
     assert len(servers) == 1
     assert first["ppid"] == second["ppid"] == servers[0]
+    assert first["agent"] == second["agent"] == warm_agent.process.pid  # for leaving the job after a spot notice
     assert first["torch_preloaded"] and second["torch_preloaded"]
     assert first["argv"] == [WORKER, "report", "a b"] and second["argv"] == [WORKER, "report", "--flag"]
     assert (first["cwd"], second["cwd"]) == (str(tmp_path), str(REPO))
@@ -151,7 +152,7 @@ def test_a_server_that_cannot_preload_leaves_the_launcher_to_run_the_script_itse
     result = agent.run("report", env={"ELASTIC_DDP_PREFORK_PRELOAD": "no_such_module_here"})
     assert "preloading no_such_module_here failed" in result["err"] and "running" in result["err"]
     worker = report(result)
-    assert not worker["torch_preloaded"] and worker["ppid"] == agent.process.pid  # exec'd in the launcher
+    assert not worker["torch_preloaded"] and worker["ppid"] == worker["agent"] == agent.process.pid  # exec'd
 
 
 def _ready_worker(path: Path) -> int:
