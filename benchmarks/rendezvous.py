@@ -200,13 +200,14 @@ def _kill_quietly(pid: int) -> None:
         pass
 
 
-def restart_loops(kills: int, recovery_kills: int, endpoint: str, workdir: Path, seed: int) -> dict[str, list[KillOutcome]]:
+def restart_loops(kills: int, recovery_kills: int, default_kills: int, endpoint: str, workdir: Path,
+                  seed: int) -> dict[str, list[KillOutcome]]:
     loops = [
         (Loop("etcd-v3", "etcd-v3", {}, (FRESH_STORE_ENV,)), kills),
         (Loop("c10d fresh store", "c10d", {FRESH_STORE_ENV: "1"}, ()), recovery_kills),
         (Loop("etcd-v3 + prefork", "etcd-v3", {}, (FRESH_STORE_ENV,), prefork=True), recovery_kills),
         (Loop("c10d fresh store + prefork", "c10d", {FRESH_STORE_ENV: "1"}, (), prefork=True), recovery_kills),
-        (Loop("c10d torch default", "c10d", {}, (FRESH_STORE_ENV,)), kills),
+        (Loop("c10d torch default", "c10d", {}, (FRESH_STORE_ENV,)), default_kills),
     ]
     results = {}
     for loop, count in loops:
@@ -388,9 +389,11 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="restarts,scale", help="comma-separated: restarts, scale")
-    parser.add_argument("--kills", type=int, default=30, help="kills in the etcd-v3 and torch-default loops")
+    parser.add_argument("--kills", type=int, default=30, help="kills in the etcd-v3 loop")
     parser.add_argument("--recovery-kills", type=int, default=10,
                         help="kills in the c10d fresh-store loop and the two prefork loops")
+    parser.add_argument("--default-kills", type=int, default=10,
+                        help="kills in the torch-default loop (a hung restart costs 90 s or more)")
     parser.add_argument("--agents", default="16,64,256", help="agent counts for the scale part")
     parser.add_argument("--agents-per-process", type=int, default=32, help="scale part: agents (threads) per process")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of worker to kill")
@@ -404,7 +407,8 @@ def main() -> None:
         try:
             restarts = scale_results = None
             if "restarts" in parts:
-                restarts = restart_loops(args.kills, args.recovery_kills, etcd.endpoint, Path(tmp), args.seed)
+                restarts = restart_loops(args.kills, args.recovery_kills, args.default_kills, etcd.endpoint, Path(tmp),
+                                         args.seed)
             if "scale" in parts:
                 scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, args.agents_per_process)
         finally:

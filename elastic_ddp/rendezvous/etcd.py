@@ -60,9 +60,13 @@ take seconds. The workers' process-group traffic stays on a TCPStore at TCPStore
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+import threading
+import time
+import weakref
 import zlib
 from datetime import timedelta
 
@@ -71,6 +75,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
+    _RendezvousExitOp,
 )
 
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
@@ -85,6 +90,8 @@ BACKEND_NAME = "etcd-v3"
 _FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STATE_MAGIC = b"elastic_ddp.rdzv.v1:"
 _CRC_HEX = re.compile(rb"[0-9a-f]{8}")
+LEAVE_TIMEOUT_S = 5.0
+"""The most an exiting agent spends taking its node out of the round (etcd may be unreachable)."""
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -195,9 +202,18 @@ def _decode_state(payload: bytes) -> bytes:
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's ``DynamicRendezvousHandler``, plus: a node that the round went on without re-joins.
+    """torch's ``DynamicRendezvousHandler``, plus: an agent that exits leaves the round at once,
+    and a node that the round went on without re-joins.
 
-    torch removes a node from the round once its last heartbeat is older than
+    **Leaving.** torchrun's agent does not shut the rendezvous down when a signal ends it (that
+    would close the rendezvous for every node), so a preempted node (SIGTERM, or a spot notice's
+    SIGTERM from its own worker) stayed a participant until its heartbeats were older than
+    ``keep_alive_interval * keep_alive_max_attempt``; the survivors' next round waited that long.
+    At interpreter exit, unless :meth:`shutdown` ran, this handler takes its node out of the round
+    (torch's own exit operation, which it runs before every re-join), bounded by
+    :data:`LEAVE_TIMEOUT_S`. A node killed outright is still removed by the heartbeat rule.
+
+    **Re-joining.** torch removes a node from the round once its last heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
     etcd that long (an etcd outage, a frozen agent) is removed although its workers still
     train, and torch's agent restarts them only when other nodes wait; the next node to join
@@ -205,6 +221,25 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     10 s etcd outage and a 3 s window). Counting this node as waiting makes its agent stop its
     workers and re-join, so every node is again in one round.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._shut_down = False
+        atexit.register(_leave_at_exit, weakref.ref(self))
+
+    def shutdown(self) -> bool:
+        """See base class (closes the rendezvous for every node: the job is over)."""
+        self._shut_down = True
+        return super().shutdown()
+
+    def leave(self) -> None:
+        """Take this node out of the current round, so the others re-form without waiting for its
+        heartbeats to expire. Does nothing if it is not a participant (as last seen)."""
+        if self._this_node not in self._state_holder.state.participants:
+            return
+        self._stop_heartbeats()
+        self._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_TIMEOUT_S)
+        logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round; at least 1 when this node is no longer in the round."""
@@ -226,6 +261,23 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
         return True
+
+
+def _leave_at_exit(handler_ref: weakref.ref) -> None:
+    """(atexit) Leave the round unless the handler was shut down; at most LEAVE_TIMEOUT_S."""
+    handler = handler_ref()
+    if handler is None or handler._shut_down:
+        return
+
+    def leave() -> None:
+        try:
+            handler.leave()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; the heartbeat rule removes the node
+            logger.warning("etcd-v3: could not leave rendezvous %s at exit: %s", handler._settings.run_id, exc)
+
+    thread = threading.Thread(target=leave, name="etcd-v3-leave", daemon=True)
+    thread.start()
+    thread.join(LEAVE_TIMEOUT_S)
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:

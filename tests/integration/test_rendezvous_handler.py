@@ -17,6 +17,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousParameters,
+    RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -82,6 +83,40 @@ def test_three_nodes_get_distinct_ranks_and_one_world_size(etcd_server: EtcdServ
     assert sorted(outcome[0] for outcome in outcomes.values()) == [0, 1, 2]
     assert {outcome[1:] for outcome in outcomes.values()} == {next(iter(outcomes.values()))[1:]}
     assert next(iter(outcomes.values()))[1] == 3
+
+
+def _two_nodes_in_one_round(endpoint: str, join_timeout: str) -> list[DynamicRendezvousHandler]:
+    """Two handlers of a 1:2 job that completed one round together (heartbeats every 60 s)."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "60", "join_timeout": join_timeout}
+    run_id = uuid.uuid4().hex[:8]
+    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
+                                                            **conf)) for _ in range(2)]
+    sizes: list[int] = []
+    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in handlers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sizes == [2, 2]
+    return handlers
+
+
+def test_a_node_that_leaves_lets_the_others_re_form_without_waiting_for_its_heartbeats(etcd_server: EtcdServer) -> None:
+    """What an agent ended by SIGTERM does at exit: the survivor's next round is itself alone at
+    once, not after the leaver's heartbeats expired (3 minutes here)."""
+    leaver, survivor = _two_nodes_in_one_round(etcd_server.endpoint, join_timeout="20")
+    leaver.leave()
+    assert survivor.next_rendezvous().world_size == 1
+    survivor.shutdown()
+
+
+def test_without_leaving_the_survivor_waits_for_the_departed_node(etcd_server: EtcdServer) -> None:
+    """The control: a node that goes silently stays in the round, so the survivor's re-join times out."""
+    silent, survivor = _two_nodes_in_one_round(etcd_server.endpoint, join_timeout="4")
+    with pytest.raises(RendezvousTimeoutError):
+        survivor.next_rendezvous()
+    for handler in (silent, survivor):
+        handler.shutdown()
 
 
 def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server: EtcdServer) -> None:
