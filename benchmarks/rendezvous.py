@@ -36,17 +36,18 @@ Parts:
     builds). Both with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. Target: etcd-v3 <= 2x c10d at 64.
 
 Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 2026-11-30,
-``--kills 5 --recovery-kills 5 --agents 16,64`` (stopped by a 590 s limit during the third loop,
-so no scale figures yet)::
+``--parts restarts --kills 30 --recovery-kills 10`` (before the handler woke on etcd watches)::
 
-    etcd-v3              5 kills: 5 ok; recovery 8.1, 7.0, 8.6, 7.4, 6.2 s (median 7.4);
-                         rendezvous done after 1.8-2.3 s
-    c10d fresh store     5 kills: 5 ok; recovery 8.6, 8.3, 8.8, 7.5, 6.9 s (median 8.3);
-                         rendezvous done after 1.8-2.3 s
-    c10d torch default   kill 1: hung (no step within 90 s: the shared agent store, RESTARTS.md)
+                                 kills  ok  recovery s: median / min / max   of which rendezvous
+    etcd-v3                         30  30   8.45 / 7.0 / 11.0                2.30
+    c10d fresh store                10  10   8.00 / 7.5 /  9.5                2.10
+    etcd-v3 + prefork               10  10   2.20 / 2.0 /  3.0                1.65
+    c10d fresh store + prefork      10  10   2.00 / 1.8 /  2.7                1.50
+    c10d torch default               1   0   (hung; no step in 5 forced restarts of 90 s; stopped)
 
-etcd-v3 recovers in 0.89x c10d's time; both are above 5 s here because starting the new workers
-(import torch, the first optimizer) takes most of it on two shared cores.
+etcd-v3 / c10d: 1.06x (1.10x with prefork). Without prefork most of a recovery is starting the
+new workers (Python importing torch, the first optimizer importing ``torch._dynamo``: about
+5 s on two shared cores); with it, the rendezvous is most of what is left.
 """
 
 from __future__ import annotations
