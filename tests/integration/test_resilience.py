@@ -123,6 +123,7 @@ def test_spot_notice_on_one_node_loses_no_work(tmp_path: Path, reference: dict) 
 HANG_ARGS = ("--resilience-watchdog-timeout-s", "4", "--dist-collective-timeout-s", "60", "--log-per-rank-files")
 
 
+@pytest.mark.slow  # 60 s; CI time. The hang-worker chaos scenario covers a stopped worker too
 def test_stopped_worker_becomes_a_restart_with_stacks_in_the_log(tmp_path: Path, reference: dict) -> None:
     with make_cluster(tmp_path, "1", HANG_ARGS) as cluster:
         node = cluster.start(1).nodes[0]
@@ -160,6 +161,7 @@ def test_stopped_node_is_left_behind_after_the_heartbeat_timeout(tmp_path: Path,
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
+@pytest.mark.slow  # 31 s; CI time. ci-mix and crash-worker restart after a failed worker too
 def test_crash_in_one_rank_restarts_and_the_summary_names_it(tmp_path: Path, reference: dict) -> None:
     with make_cluster(tmp_path, "1", env={"ELASTIC_DDP_FAULT": "crash:1:70"}) as cluster:
         node = cluster.start(1).nodes[0]

@@ -85,14 +85,14 @@ def reference_400() -> dict[str, str]:
     return done_fields(train_ok(["--max-steps", "400", "--log-progress", "off"], nproc=NODES).output)
 
 
-def test_five_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weights(
+def test_three_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weights(
     etcd_server: EtcdServer, tmp_path: Path, reference_400: dict[str, str]
 ) -> None:
-    restarts, output = run_with_kills(etcd_server, tmp_path, kills=5, steps=400, seed=5)
-    assert len(restarts) == 5
-    assert [r.attempts for r in restarts] == [1] * 5, restarts  # every first restart formed its group
-    check_resumed_further_each_time(output, kills=5)
-    check_fresh_store_per_attempt(output, attempts=6)
+    restarts, output = run_with_kills(etcd_server, tmp_path, kills=3, steps=400, seed=5)
+    assert len(restarts) == 3
+    assert [r.attempts for r in restarts] == [1] * 3, restarts  # every first restart formed its group
+    check_resumed_further_each_time(output, kills=3)
+    check_fresh_store_per_attempt(output, attempts=4)
     assert done_fields(output)["model_digest"] == reference_400["model_digest"]
 
 

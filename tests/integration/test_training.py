@@ -62,6 +62,7 @@ def test_resume_at_same_world_size_is_bitwise_identical(reference: dict, split_r
     assert resumed["data_digest"] == reference["facts"]["data_digest"]
 
 
+@pytest.mark.slow  # 27 s; CI time. CI keeps the bitwise resume of the plain configuration
 def test_resume_with_two_loader_workers_is_bitwise_identical(reference: dict, workdir: Path) -> None:
     ckpt = workdir / "workers"
     train_ok(["--max-steps", "20", "--checkpoint-dir", str(ckpt), "--data-num-workers", "2"], nproc=2)
@@ -71,6 +72,7 @@ def test_resume_with_two_loader_workers_is_bitwise_identical(reference: dict, wo
     assert facts["data_digest"] == reference["facts"]["data_digest"]
 
 
+@pytest.mark.slow  # 42 s; CI time. CI keeps the bitwise resume of the plain configuration
 def test_resume_with_gradient_accumulation_is_bitwise_identical(workdir: Path) -> None:
     accum = ["--grad-accum-steps", "2"]
     straight, split = workdir / "accum-straight", workdir / "accum-split"
