@@ -71,7 +71,6 @@ import zlib
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandlerCreator, RendezvousParameters
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -114,7 +113,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = key.encode()
         self._leases = leases
-        self._seen_revision = 0
 
     @property
     def name(self) -> str:
@@ -136,7 +134,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         current = self._client.get(self._key)
         if current is None:
             return None
-        return self._decode(current.value), self._saw(current.mod_revision)
+        return self._decode(current.value), current.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if ``token`` is still current (``None``: if no state exists).
@@ -155,30 +153,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return self._current_state_not_written()
         current = self._client.get(self._key)
         if (None if current is None else current.mod_revision) != revision:
-            return None if current is None else (self._decode(current.value), self._saw(current.mod_revision), False)
+            return None if current is None else (self._decode(current.value), current.mod_revision, False)
         condition = Absent() if revision is None else ModRevisionIs(revision)
         payload = _encode_state(state)
         outcome = self._leases.write(lambda lease: self._client.put_if(self._key, payload, condition, lease))
         if outcome.succeeded:
-            return state, self._saw(outcome.revision), True
+            return state, outcome.revision, True
         if outcome.current is None:
             return None
-        return self._decode(outcome.current.value), self._saw(outcome.current.mod_revision), False
-
-    def wait_for_change(self, timeout: float) -> None:
-        """Return once the state was written after the newest revision this backend has seen, or
-        after ``timeout`` seconds (also when etcd cannot be watched: never sooner than a poll)."""
-        began = time.monotonic()
-        try:
-            if self._client.wait_for_put(self._key, self._seen_revision, timeout):
-                return
-        except Exception as exc:  # noqa: BLE001 - the caller's next read reports etcd's state
-            logger.debug("etcd-v3: watching %s failed (%s); polling instead", self.key, exc)
-        time.sleep(max(0.0, timeout - (time.monotonic() - began)))
-
-    def _saw(self, revision: int) -> int:
-        self._seen_revision = max(self._seen_revision, revision)
-        return revision
+        return self._decode(outcome.current.value), outcome.current.mod_revision, False
 
     def _current_state_not_written(self) -> tuple[bytes, Token, bool] | None:
         current = self.get_state()
@@ -230,11 +213,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     (torch's own exit operation, which it runs before every re-join), bounded by
     :data:`LEAVE_TIMEOUT_S`. A node killed outright is still removed by the heartbeat rule.
 
-    **Waking on changes.** While it waits for other nodes, torch's handler reads the state once
-    a second. During :meth:`next_rendezvous` this handler waits on an etcd watch of the state key
-    instead, for at most that second, so it acts as soon as another node joins or leaves
-    (:func:`_install_state_watch`).
-
     **Re-joining.** torch removes a node from the round once its last heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
     etcd that long (an etcd outage, a frozen agent) is removed although its workers still
@@ -247,25 +225,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._shut_down = False
-        self._watched: EtcdRendezvousBackend | None = None
         atexit.register(_leave_at_exit, weakref.ref(self))
-
-    @classmethod
-    def from_backend(cls, run_id, store, backend, *args, **kwargs) -> EtcdRendezvousHandler:  # noqa: ANN001
-        """See base class; an :class:`EtcdRendezvousBackend`'s state key is watched while waiting."""
-        handler = super().from_backend(run_id, store, backend, *args, **kwargs)
-        if isinstance(backend, EtcdRendezvousBackend):
-            _install_state_watch()
-            handler._watched = backend
-        return handler
-
-    def next_rendezvous(self):  # noqa: ANN201 - torch's RendezvousInfo
-        """See base class; waits between reads end when the state changes."""
-        _waiting.backend = self._watched
-        try:
-            return super().next_rendezvous()
-        finally:
-            _waiting.backend = None
 
     def shutdown(self) -> bool:
         """See base class (closes the rendezvous for every node: the job is over)."""
@@ -301,38 +261,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
         return True
-
-
-_waiting = threading.local()
-"""``backend``: the :class:`EtcdRendezvousBackend` whose handler runs ``next_rendezvous`` in this thread."""
-_POLL_S = 1
-"""The pause between state reads in torch's rendezvous operation executor."""
-
-
-def _install_state_watch() -> None:
-    """Make the executor's one-second pause between state reads end early on a state change.
-
-    torch's ``_DistributedRendezvousOpExecutor.run`` calls the module-level
-    ``dynamic_rendezvous._delay(seconds=1)`` whenever it must wait for other nodes; there is no
-    hook for a backend that can be told of changes. This wraps that function once per process:
-    in a thread inside :meth:`EtcdRendezvousHandler.next_rendezvous`, the pause is a watch on
-    the state key that returns at the next write (bounded by the same second); everywhere else,
-    and for torch's other pauses, it is torch's own. If torch renames the function, rendezvous
-    keeps working by polling.
-    """
-    original = getattr(dynamic_rendezvous, "_delay", None)
-    if original is None or getattr(original, "elastic_ddp_watch", False):
-        return
-
-    def delay(seconds: float | tuple[float, float]) -> None:
-        backend = getattr(_waiting, "backend", None)
-        if backend is None or seconds != _POLL_S:
-            original(seconds=seconds)
-        else:
-            backend.wait_for_change(_POLL_S)
-
-    delay.elastic_ddp_watch = True  # type: ignore[attr-defined]
-    dynamic_rendezvous._delay = delay
 
 
 def _leave_at_exit(handler_ref: weakref.ref) -> None:

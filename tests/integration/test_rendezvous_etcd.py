@@ -53,19 +53,6 @@ def test_create_only_then_cas_with_a_new_token_each_time(etcd_server: EtcdServer
     assert tokens == sorted(set(tokens))
 
 
-def test_wait_for_change_returns_at_the_next_write_of_another_node(etcd_server: EtcdServer) -> None:
-    run_id = uuid.uuid4().hex[:12]
-    waiter, writer = backend_and_store(etcd_server.endpoint, run_id)[0], backend_and_store(etcd_server.endpoint, run_id)[0]
-    _, token, _ = writer.set_state(b"s0")
-    assert waiter.get_state() == (b"s0", token)
-    woke = threading.Event()
-    thread = threading.Thread(target=lambda: (waiter.wait_for_change(60), woke.set()), daemon=True)
-    thread.start()
-    assert not woke.wait(0.5)  # nothing written since the state it saw: it waits
-    writer.set_state(b"s1", token)
-    assert woke.wait(20), "wait_for_change did not return after another node wrote the state"
-
-
 def test_stale_token_returns_current_state_and_token(etcd_server: EtcdServer) -> None:
     backend, _ = backend_and_store(etcd_server.endpoint)
     _, stale, _ = backend.set_state(b"s1")
