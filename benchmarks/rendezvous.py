@@ -45,6 +45,12 @@ Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 
     c10d fresh store + prefork      10  10   2.00 / 1.8 /  2.7                1.50
     c10d torch default               1   0   (hung; no step in 5 forced restarts of 90 s; stopped)
 
+``--parts scale --agents 16,64,256`` (seconds until all agents have a rank; etcd-v3 / c10d)::
+
+    16 agents:  1.74 / 1.42 s (1.23x)
+    64 agents:  9.00 / 3.66 s (2.46x; 9.49 / 4.95 s = 1.91x in another run)
+    256 agents: etcd-v3 did not complete (every agent's 600 s join timeout) / 41.8 s
+
 etcd-v3 / c10d: 1.06x (1.10x with prefork). Without prefork most of a recovery is starting the
 new workers (Python importing torch, the first optimizer importing ``torch._dynamo``: about
 5 s on two shared cores); with it, the rendezvous is most of what is left.
