@@ -159,7 +159,8 @@ class Node:
                 pass
         if self.process.poll() is None:
             self.process.wait(timeout=30)
-        self._stop_fork_servers()
+        if self.prefork_script:
+            self._stop_fork_servers()
 
     def _stop_fork_servers(self) -> None:
         """SIGKILL the agent's :mod:`elastic_ddp.prefork` server, if any, and wait until it is gone.
@@ -189,43 +190,47 @@ def _accepts(host: str, port: int) -> bool:
 def fork_servers(agent_pid: int) -> list[int]:
     """Pids of the prefork servers serving ``agent_pid`` (``... elastic_ddp.prefork --serve ADDRESS AGENT_PID``)."""
     servers = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                argv = handle.read().split(b"\0")
-        except OSError:
-            continue
-        if b"elastic_ddp.prefork" in argv and b"--serve" in argv:
-            serve = argv.index(b"--serve")
-            if argv[serve + 2 : serve + 3] == [str(agent_pid).encode()]:
-                servers.append(int(entry))
+    for pid in _pids():
+        argv = (_read_proc(pid, "cmdline") or "").split("\0")
+        if "elastic_ddp.prefork" in argv and "--serve" in argv:
+            serve = argv.index("--serve")
+            if argv[serve + 2 : serve + 3] == [str(agent_pid)]:
+                servers.append(pid)
     return servers
 
 
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _process_parents() -> dict[int, int]:
     parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        # the command name is in parentheses and may contain spaces; the ppid follows the state field
-        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    for pid in _pids():
+        fields = _stat_fields(pid)
+        if fields is not None:
+            parents[pid] = int(fields[1])
     return parents
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name: state, ppid, ...; None if the process is gone."""
+    stat = _read_proc(pid, "stat")
+    # the command name is in parentheses and may contain spaces
+    return None if stat is None else stat.rsplit(")", 1)[1].split()
+
+
+def _read_proc(pid: int, name: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/{name}", encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return None
 
 
 class LocalCluster:

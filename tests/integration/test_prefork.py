@@ -10,13 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from chaos.cluster import fork_servers, process_alive
+from chaos.cluster import fork_servers, process_alive, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -86,14 +85,6 @@ def _agent() -> Iterator[Agent]:
             os.kill(server, signal.SIGKILL)
 
 
-def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.02)
-
-
 def report(result: dict) -> dict:
     assert result["rc"] == 0, result["err"]
     return json.loads(result["out"])
@@ -131,7 +122,7 @@ def test_sigkill_of_the_launcher_kills_the_worker(warm_agent: Agent, tmp_path: P
     assert worker != launcher and process_alive(worker)
     os.kill(launcher, signal.SIGKILL)
     assert warm_agent.result(WAIT_S)["rc"] == -signal.SIGKILL
-    wait_until(lambda: not process_alive(worker), f"worker {worker} died with its launcher")
+    wait_for(lambda: not process_alive(worker), WAIT_S, f"worker {worker} to die with its launcher")
 
 
 def test_a_worker_killed_by_a_signal_ends_its_launcher_by_the_same_signal(warm_agent: Agent, tmp_path: Path) -> None:
@@ -145,7 +136,7 @@ def test_the_server_exits_with_its_agent(agent: Agent) -> None:
     servers = fork_servers(agent.process.pid)
     assert len(servers) == 1
     agent.close()
-    wait_until(lambda: not process_alive(servers[0]), "the fork server exited after its agent")
+    wait_for(lambda: not process_alive(servers[0]), WAIT_S, "the fork server to exit after its agent")
 
 
 def test_a_server_that_cannot_preload_leaves_the_launcher_to_run_the_script_itself(agent: Agent) -> None:
@@ -157,5 +148,5 @@ def test_a_server_that_cannot_preload_leaves_the_launcher_to_run_the_script_itse
 
 def _ready_worker(path: Path) -> int:
     """The pid a ``wait`` worker wrote to ``path`` once it was ready."""
-    wait_until(path.exists, f"the worker wrote {path}")
+    wait_for(path.exists, WAIT_S, f"the worker to write {path}")
     return int(path.read_text())
