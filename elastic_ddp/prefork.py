@@ -338,8 +338,6 @@ def _run_child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL)
         code = _run_script(request["argv"])
     except BaseException:  # noqa: BLE001 - a child must never return into the server's loop
         import traceback
