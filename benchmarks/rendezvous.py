@@ -34,6 +34,10 @@ Parts:
     has a rank. ``etcd-v3``: :func:`elastic_ddp.rendezvous.create_rdzv_handler` on one etcd;
     ``c10d``: torch's ``C10dRendezvousBackend`` on one TCPStore (what ``--rdzv-backend=c10d``
     builds). Both with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. Target: etcd-v3 <= 2x c10d at 64.
+    ``c10d-lean``: the same c10d handler with torch's event naming made as cheap as the
+    etcd-v3 handler's (torch names every rendezvous event with two ``inspect.stack()`` calls,
+    even when no event handler is set; the etcd-v3 handler skips that), so that the backends
+    themselves are compared too.
 
 Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 2026-11-30,
 ``--parts restarts --kills 30 --recovery-kills 10`` (before the handler woke on etcd watches)::
@@ -45,11 +49,14 @@ Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 
     c10d fresh store + prefork      10  10   2.00 / 1.8 /  2.7                1.50
     c10d torch default               1   0   (hung; no step in 5 forced restarts of 90 s; stopped)
 
-``--parts scale --agents 16,64,256`` (seconds until all agents have a rank; etcd-v3 / c10d)::
+``--parts scale --agents 16,64,256`` (seconds until all agents have a rank; etcd-v3 / c10d /
+c10d-lean)::
 
-    16 agents:  1.74 / 1.42 s (1.23x)
-    64 agents:  9.00 / 3.66 s (2.46x; 9.49 / 4.95 s = 1.91x in another run)
-    256 agents: etcd-v3 did not complete (every agent's 600 s join timeout) / 41.8 s
+    16 agents:  1.31 / 1.29 / 1.30 s
+    64 agents:  2.31 / 4.82 / 1.31 s (etcd-v3 was 9.0 s before its handler stopped naming
+                unrecorded events with inspect.stack())
+    256 agents: 38.6 / 49.5 / 7.55 s (etcd-v3 51.8 s in a run of its own; once, with the CPU
+                shared with a test run, not within the 600 s join timeout)
 
 etcd-v3 / c10d: 1.06x (1.10x with prefork). Without prefork most of a recovery is starting the
 new workers (Python importing torch, the first optimizer importing ``torch._dynamo``: about
@@ -94,6 +101,8 @@ HUNG_AFTER_S = 90.0
 FOREVER_STEPS = 10**7  # the loops end the job themselves
 SCALE_TIMEOUT_S = 600
 """join_timeout of the simulated agents; a rendezvous that takes longer is reported as not completed."""
+LEAN_C10D = "c10d-lean"
+"""The scale part's third loop: c10d with torch's event naming made as cheap as etcd-v3's."""
 SCALE_KEEP_ALIVE_S = 30
 """Heartbeat interval of the simulated agents. Every heartbeat is a compare-and-swap of the whole
 state, competing with the joins; with torch's 5 s (dead after 3 missed, 15 s) a few hundred
@@ -294,6 +303,11 @@ def agents_process(backend: str, endpoint: str, run_id: str, count: int, local: 
     ``ready``, wait for ``go`` on stdin, rendezvous in threads and print ``done <wall time>`` (or
     ``error ...``) for each; shut the handlers down after ``stop``."""
     os.environ[FRESH_STORE_ENV] = "1"
+    if backend == LEAN_C10D:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+        dynamic_rendezvous.get_method_name = lambda depth=2: sys._getframe(depth).f_code.co_name
+        backend = "c10d"
     handlers = [make_handler(backend, endpoint, run_id, count) for _ in range(local)]
     print("ready", flush=True)
     sys.stdin.readline()
@@ -343,8 +357,12 @@ def make_handler(backend: str, endpoint: str, run_id: str, count: int):
     return create_handler(store, C10dRendezvousBackend(store, run_id), params)
 
 
-def scale(agent_counts: list[int], endpoint: str, per_process: int) -> dict[int, dict[str, float | None]]:
-    """Each count under both backends; ``None`` where the rendezvous did not complete."""
+SCALE_LOOPS = ("c10d", "etcd-v3", LEAN_C10D)
+
+
+def scale(agent_counts: list[int], endpoint: str, per_process: int, loops: tuple[str, ...] = SCALE_LOOPS
+          ) -> dict[int, dict[str, float | None]]:
+    """Each count in each loop; ``None`` where the rendezvous did not complete or the loop did not run."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -353,9 +371,12 @@ def scale(agent_counts: list[int], endpoint: str, per_process: int) -> dict[int,
     for count in agent_counts:
         server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=SCALE_TIMEOUT_S))
+        store = "127.0.0.1:%d" % server.port
         results[count] = {
-            "c10d": _timed_or_none(lambda: scale_run("c10d", "127.0.0.1:%d" % server.port, "c10d-%d" % count, count, per_process)),
-            "etcd-v3": _timed_or_none(lambda: scale_run("etcd-v3", endpoint, "etcd-%d" % count, count, per_process)),
+            loop: _timed_or_none(lambda: scale_run(loop, endpoint if loop == "etcd-v3" else store,
+                                                   "%s-%d" % (loop, count), count, per_process))
+            if loop in loops else None
+            for loop in SCALE_LOOPS
         }
         del server
         print("  %4d agents: %s" % (count, ", ".join("%s %s" % (k, _seconds(v)) for k, v in results[count].items())),
@@ -378,11 +399,15 @@ def _seconds(value: float | None) -> str:
 def report_scale(results: dict[int, dict[str, float | None]], per_process: int) -> None:
     print("\nrendezvous of N agents at once (--nnodes=N, last_call_timeout=1, keep_alive_interval=%d; threads, %d per"
           " process): seconds until all have a rank" % (SCALE_KEEP_ALIVE_S, per_process))
-    print("  %6s %9s %9s %7s" % ("agents", "etcd-v3", "c10d", "ratio"))
+    print("  %6s %9s %9s %7s %10s %7s" % ("agents", "etcd-v3", "c10d", "ratio", LEAN_C10D, "ratio"))
     for count, times in results.items():
-        etcd, c10d = times["etcd-v3"], times["c10d"]
-        ratio = "%.2fx" % (etcd / c10d) if etcd and c10d else "-"
-        print("  %6d %9s %9s %7s" % (count, _seconds(etcd), _seconds(c10d), ratio))
+        etcd, c10d, lean = times["etcd-v3"], times["c10d"], times[LEAN_C10D]
+        print("  %6d %9s %9s %7s %10s %7s" % (count, _seconds(etcd), _seconds(c10d), _ratio(etcd, c10d),
+                                                 _seconds(lean), _ratio(etcd, lean)))
+
+
+def _ratio(value: float | None, baseline: float | None) -> str:
+    return "%.2fx" % (value / baseline) if value and baseline else "-"
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -402,6 +427,8 @@ def main() -> None:
     parser.add_argument("--default-kills", type=int, default=10,
                         help="kills in the torch-default loop (a hung restart costs 90 s or more)")
     parser.add_argument("--agents", default="16,64,256", help="agent counts for the scale part")
+    parser.add_argument("--scale-loops", default=",".join(SCALE_LOOPS),
+                        help="comma-separated loops of the scale part: %s" % ", ".join(SCALE_LOOPS))
     parser.add_argument("--agents-per-process", type=int, default=32, help="scale part: agents (threads) per process")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of worker to kill")
     parser.add_argument("--workdir", default="", help="keep the jobs' logs and checkpoints here (default: a temp dir)")
@@ -417,7 +444,8 @@ def main() -> None:
                 restarts = restart_loops(args.kills, args.recovery_kills, args.default_kills, etcd.endpoint, Path(tmp),
                                          args.seed)
             if "scale" in parts:
-                scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, args.agents_per_process)
+                scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, args.agents_per_process,
+                                      tuple(args.scale_loops.split(",")))
         finally:
             etcd.stop()
     if restarts:

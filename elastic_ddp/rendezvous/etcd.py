@@ -64,18 +64,26 @@ import atexit
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import weakref
 import zlib
-from datetime import timedelta
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 
+from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
+from torch.distributed.elastic.events.handlers import get_logging_handler
 from torch.distributed.elastic.rendezvous import RendezvousHandlerCreator, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
+    _Action,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
     _RendezvousExitOp,
+    _RendezvousState,
 )
 
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
@@ -90,6 +98,8 @@ BACKEND_NAME = "etcd-v3"
 _FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _STATE_MAGIC = b"elastic_ddp.rdzv.v1:"
 _CRC_HEX = re.compile(rb"[0-9a-f]{8}")
+_TORCH_SYNC_INTERVAL_S = 1.0  # how long torch's rendezvous loop sleeps before it reads the state again
+_LAST_CALL_MARGIN_S = 0.005  # wake just after the last call's end, not just before it
 LEAVE_TIMEOUT_S = 5.0
 """The most an exiting agent spends taking its node out of the round (etcd may be unreachable)."""
 
@@ -201,6 +211,72 @@ def _decode_state(payload: bytes) -> bytes:
     return state
 
 
+def _events_recorded() -> bool:
+    """Whether torch's rendezvous events go anywhere (by default their handler is a ``NullHandler``)."""
+    return not isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler)
+
+
+class _OpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's rendezvous operation executor, with two changes that cost it time.
+
+    **Events.** torch names each event after the calling method with ``inspect.stack()``, twice,
+    reading the source of every frame on the stack, and only then finds that no event handler is
+    configured. The executor records about three events per pass of its loop, and it loops once
+    per lost compare-and-swap: with 64 agents joining at once on two cores, that naming was three
+    quarters of the agents' CPU time (py-spy) and made the rendezvous 3-5x slower. Here the name
+    comes from the caller's frame, and only when events are recorded.
+
+    **The last call.** While a participant waits, torch re-reads the state once a second, so a
+    round whose last call ends between two reads completes up to a second late; every membership
+    change of an elastic job (``--nnodes=MIN:MAX``) pays that on top of ``last_call_timeout``.
+    Here a participant that would wait past the end of the last call waits only until it ends.
+    """
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """See base class."""
+
+        def until_the_last_call_ends(ctx: _RendezvousContext, deadline: float) -> _Action:
+            action = state_handler(ctx, deadline)
+            while action == _Action.SYNC and (pause := _pause_until_last_call_ends(ctx.state)) is not None:
+                time.sleep(pause)
+                self._state_holder.sync()  # a read (or the cached state); completing it is a compare-and-swap
+                self._state = self._state_holder.state
+                ctx = _RendezvousContext(self._node, self._state, self._settings)
+                action = state_handler(ctx, deadline)
+            return action
+
+        super().run(until_the_last_call_ends, deadline, update_deadline)
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        if not _events_recorded():
+            return
+        construct_and_record_rdzv_event(
+            name="%s.%s" % (_DistributedRendezvousOpExecutor.__name__, sys._getframe(1).f_code.co_name),
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=self._node.addr,
+            pid=self._node.pid,
+            local_id=self._node.local_id,
+        )
+
+
+def _pause_until_last_call_ends(state: _RendezvousState) -> float | None:
+    """Seconds until the open round's last call ends, if that is sooner than torch's next read
+    (a second); ``None`` otherwise."""
+    if state.complete or state.deadline is None:
+        return None
+    remaining = (state.deadline - datetime.now(timezone.utc)).total_seconds()
+    if not 0 < remaining < _TORCH_SYNC_INTERVAL_S:
+        return None
+    return remaining + _LAST_CALL_MARGIN_S
+
+
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """torch's ``DynamicRendezvousHandler``, plus: an agent that exits leaves the round at once,
     and a node that the round went on without re-joins.
@@ -224,6 +300,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._op_executor = _OpExecutor(self._this_node, self._state_holder, self._settings)
         self._shut_down = False
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -240,6 +317,21 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._stop_heartbeats()
         self._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_TIMEOUT_S)
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
+        # as _OpExecutor._record: no inspect.stack() for events nobody records
+        if not _events_recorded():
+            return
+        construct_and_record_rdzv_event(
+            name="%s.%s" % (DynamicRendezvousHandler.__name__, sys._getframe(1).f_code.co_name),
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=self._this_node.addr,
+            pid=self._this_node.pid,
+            local_id=self._this_node.local_id,
+            rank=rank,
+        )
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round; at least 1 when this node is no longer in the round."""

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
+import json
+import logging
 import os
 import threading
 import time
 from datetime import timedelta
 
 import pytest
+from torch.distributed.elastic import events
+from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousParameters,
     RendezvousStateError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout, create_handler
 
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdLeaseNotFoundError
 from elastic_ddp.rendezvous.etcd import (
@@ -307,3 +312,100 @@ def test_node_dropped_during_an_outage_longer_than_the_keep_alive_window_asks_to
     assert handler.next_rendezvous().world_size == 1
     assert handler.num_nodes_waiting() == 0
     handler.shutdown()
+
+
+def _one_node_handler(client: FakeEtcdClient) -> EtcdRendezvousHandler:
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    return EtcdRendezvousHandler.from_backend(
+        "job", EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=5)), EtcdRendezvousBackend(client, KEY, leases),
+        1, 1, "127.0.0.1", RendezvousTimeout(),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def no_stack_inspection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """inspect.stack() fails: what torch calls to name each rendezvous event, recorded or not."""
+
+    def stack(*args, **kwargs):
+        raise AssertionError("inspect.stack() called")
+
+    monkeypatch.setattr(inspect, "stack", stack)
+
+
+def test_torchs_handler_inspects_the_stack_for_events_nobody_records(
+    client: FakeEtcdClient, no_stack_inspection: None
+) -> None:
+    """The control for the next test: torch's own handler pays for naming its events."""
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    params = RendezvousParameters("etcd-v3", "fake:2379", "job", 1, 1, "127.0.0.1")
+    handler = create_handler(EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=5)),
+                             EtcdRendezvousBackend(client, KEY, leases), params)
+    with pytest.raises(AssertionError, match="inspect.stack"):
+        handler.next_rendezvous()
+
+
+def test_etcd_handler_rendezvous_without_inspecting_the_stack(client: FakeEtcdClient, no_stack_inspection: None) -> None:
+    """Every lost compare-and-swap is another pass of the join loop; naming its events by
+    inspect.stack() was most of the agents' CPU time when many joined at once."""
+    handler = _one_node_handler(client)
+    assert handler.next_rendezvous().world_size == 1
+    handler.shutdown()
+
+
+def test_recorded_events_keep_torchs_names(client: FakeEtcdClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an event handler configured, the events are recorded under the names torch gives them."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    monkeypatch.setitem(event_handlers._log_handlers, "dynamic_rendezvous", Collect())
+    monkeypatch.setattr(events, "_events_loggers", {})
+    handler = _one_node_handler(client)
+    handler.next_rendezvous()
+    handler.shutdown()
+    names = {json.loads(record)["name"].split(":", 1)[1] for record in records}
+    assert "_DistributedRendezvousOpExecutor._add_to_participants" in names
+    assert "DynamicRendezvousHandler.next_rendezvous" in names
+
+
+def _finish_times_of_a_staggered_join(client: FakeEtcdClient, handler_type: type) -> list[float]:
+    """Node A joins an elastic round (1 to 3 nodes, last call 1 s from A's join); node B joins
+    0.8 s later. Returns when A and when B got their rank."""
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    timeout = RendezvousTimeout(last_call=timedelta(seconds=1))
+
+    def handler() -> DynamicRendezvousHandler:
+        store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
+        return handler_type.from_backend("job", store, EtcdRendezvousBackend(client, KEY, leases), 1, 3, "127.0.0.1",
+                                         timeout)
+
+    handlers = [handler(), handler()]
+    finished = [0.0, 0.0]
+
+    def join(index: int) -> None:
+        handlers[index].next_rendezvous()
+        finished[index] = time.monotonic()
+
+    first = threading.Thread(target=join, args=(0,))
+    first.start()
+    time.sleep(0.8)  # the stagger of the scenario, not a wait for a condition
+    join(1)
+    first.join(timeout=30)
+    for node in handlers:
+        node.shutdown()
+    return finished
+
+
+def test_a_waiting_participant_wakes_when_the_last_call_ends(client: FakeEtcdClient) -> None:
+    """A completes the round when its last call ends; B, which joined 0.8 s after A, gets its
+    rank then too, not at its own next once-a-second read (up to 0.8 s later)."""
+    a, b = _finish_times_of_a_staggered_join(client, EtcdRendezvousHandler)
+    assert abs(b - a) < 0.3
+
+
+def test_torchs_handler_sees_the_end_of_the_last_call_at_its_next_read(client: FakeEtcdClient) -> None:
+    """The control for the test above: with torch's executor B is late by most of a second."""
+    a, b = _finish_times_of_a_staggered_join(client, DynamicRendezvousHandler)
+    assert b - a > 0.3
