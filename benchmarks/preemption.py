@@ -1,7 +1,7 @@
 """How fast a preemption is absorbed: SIGTERM → emergency checkpoint committed → survivors' first step.
 
 How to run:
-  .venv/bin/python benchmarks/preemption.py [--repeats 5] [--backend c10d|etcd-v3]
+  .venv/bin/python benchmarks/preemption.py [--repeats 5] [--backend c10d|etcd-v3] [--prefork]
 
 Each repeat starts 2 simulated nodes x 2 workers (chaos.cluster, --nnodes=1:2, rendezvous with
 last_call_timeout=1 and a 1 s x 3 heartbeat), waits until all 4 ranks train, sends SIGTERM to
@@ -45,11 +45,11 @@ def records(workdir: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
 
 
-def one_run(workdir: Path, backend: str, endpoint: str) -> tuple[float, float]:
+def one_run(workdir: Path, backend: str, endpoint: str, prefork: bool) -> tuple[float, float]:
     args = ["--max-steps", "100000", "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every", "100",
             "--log-dir", str(workdir / "logs"), "--log-every", "1", "--log-progress", "off"]
     spec = JobSpec(script=TRAIN, args=args, nnodes="1:2", rdzv_backend=backend, rdzv_endpoint=endpoint,
-                   rdzv_conf=dict(CONF), run_id=workdir.name, max_restarts=3)
+                   rdzv_conf=dict(CONF), run_id=workdir.name, max_restarts=3, prefork=prefork)
     with LocalCluster(spec, workdir) as cluster:
         survivor, leaving = cluster.start(2).nodes
         wait_for(lambda: (r := records(workdir)) and r[-1]["world_size"] == 4 and r[-1]["step"] >= 40, 180, "4 ranks training")
@@ -66,6 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="c10d", choices=["c10d", "etcd-v3"])
+    parser.add_argument("--prefork", action="store_true",
+                        help="start workers through elastic_ddp.prefork (restarts do not import torch again)")
     args = parser.parse_args()
     commits, resumes = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,14 +81,14 @@ def main() -> None:
             endpoint = etcd.endpoint
         try:
             for index in range(args.repeats):
-                commit, resume = one_run(Path(tmp) / f"run{index}", args.backend, endpoint)
+                commit, resume = one_run(Path(tmp) / f"run{index}", args.backend, endpoint, args.prefork)
                 commits.append(commit)
                 resumes.append(resume)
                 print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s", flush=True)
         finally:
             if etcd is not None:
                 etcd.stop()
-    print(f"backend={args.backend} repeats={args.repeats}")
+    print(f"backend={args.backend} prefork={args.prefork} repeats={args.repeats}")
     print(f"SIGTERM -> emergency checkpoint committed: median {statistics.median(commits):.2f} s")
     print(f"SIGTERM -> survivors' first step:          median {statistics.median(resumes):.2f} s")
 
