@@ -40,13 +40,13 @@ Parts:
     themselves are compared too.
 
 Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 2026-11-30,
-``--parts restarts --kills 30 --recovery-kills 10`` (before the handler woke on etcd watches)::
+``--parts restarts --kills 30 --recovery-kills 10 --default-kills 1`` (10.4 min)::
 
                                  kills  ok  recovery s: median / min / max   of which rendezvous
-    etcd-v3                         30  30   8.45 / 7.0 / 11.0                2.30
-    c10d fresh store                10  10   8.00 / 7.5 /  9.5                2.10
-    etcd-v3 + prefork               10  10   2.20 / 2.0 /  3.0                1.65
-    c10d fresh store + prefork      10  10   2.00 / 1.8 /  2.7                1.50
+    etcd-v3                         30  30   8.53 / 7.65 /  9.62              1.76
+    c10d fresh store                10  10   9.02 / 8.09 / 10.08              2.36
+    etcd-v3 + prefork               10  10   1.87 / 1.73 /  2.44              1.35
+    c10d fresh store + prefork      10  10   2.28 / 1.94 /  2.96              1.52
     c10d torch default               1   0   (hung; no step in 5 forced restarts of 90 s; stopped)
 
 ``--parts scale --agents 16,64,256`` (seconds until all agents have a rank; etcd-v3 / c10d /
@@ -58,7 +58,7 @@ c10d-lean)::
     256 agents: 38.6 / 49.5 / 7.55 s (etcd-v3 51.8 s in a run of its own; once, with the CPU
                 shared with a test run, not within the 600 s join timeout)
 
-etcd-v3 / c10d: 1.06x (1.10x with prefork). Without prefork most of a recovery is starting the
+etcd-v3 / c10d: 0.95x (0.82x with prefork). Without prefork most of a recovery is starting the
 new workers (Python importing torch, the first optimizer importing ``torch._dynamo``: about
 5 s on two shared cores); with it, the rendezvous is most of what is left.
 """
