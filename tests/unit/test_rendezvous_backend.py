@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -371,10 +372,11 @@ def test_recorded_events_keep_torchs_names(client: FakeEtcdClient, monkeypatch: 
 
 
 def _finish_times_of_a_staggered_join(client: FakeEtcdClient, handler_type: type) -> list[float]:
-    """Node A joins an elastic round (1 to 3 nodes, last call 1 s from A's join); node B joins
-    0.8 s later. Returns when A and when B got their rank."""
+    """Node A joins an elastic round (1 to 3 nodes, last call 3 s from A's join); node B joins
+    0.4 s after A is a participant, well within the last call even on a loaded machine (a B that missed the round
+    would time out after 20 s). Returns when A and when B got their rank."""
     leases = LeaseKeeper(client, TTL, clock=client.clock)
-    timeout = RendezvousTimeout(last_call=timedelta(seconds=1))
+    timeout = RendezvousTimeout(join=timedelta(seconds=20), last_call=timedelta(seconds=3))
 
     def handler() -> DynamicRendezvousHandler:
         store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
@@ -390,7 +392,14 @@ def _finish_times_of_a_staggered_join(client: FakeEtcdClient, handler_type: type
 
     first = threading.Thread(target=join, args=(0,))
     first.start()
-    time.sleep(0.8)  # the stagger of the scenario, not a wait for a condition
+    reader = EtcdRendezvousBackend(client, KEY, leases)
+    deadline = time.monotonic() + 20
+    while not ((current := reader.get_state()) and pickle.loads(current[0]).participants):
+        assert time.monotonic() < deadline, "node A did not join within 20 s"
+        time.sleep(0.01)
+    # The stagger of the scenario, not a wait for a condition. torch delays a node's first join by
+    # 0-0.3 s, so B adds itself 0.4-0.7 s after A; both re-read the state once a second from then on.
+    time.sleep(0.4)
     join(1)
     first.join(timeout=30)
     for node in handlers:
@@ -399,13 +408,13 @@ def _finish_times_of_a_staggered_join(client: FakeEtcdClient, handler_type: type
 
 
 def test_a_waiting_participant_wakes_when_the_last_call_ends(client: FakeEtcdClient) -> None:
-    """A completes the round when its last call ends; B, which joined 0.8 s after A, gets its
-    rank then too, not at its own next once-a-second read (up to 0.8 s later)."""
+    """A completes the round when its last call ends; B, which joined 0.4-0.7 s after A, gets its
+    rank then too, not at its own next once-a-second read (0.4-0.7 s later)."""
     a, b = _finish_times_of_a_staggered_join(client, EtcdRendezvousHandler)
     assert abs(b - a) < 0.3
 
 
 def test_torchs_handler_sees_the_end_of_the_last_call_at_its_next_read(client: FakeEtcdClient) -> None:
-    """The control for the test above: with torch's executor B is late by most of a second."""
+    """The control for the test above: with torch's executor B is late by its stagger."""
     a, b = _finish_times_of_a_staggered_join(client, DynamicRendezvousHandler)
     assert b - a > 0.3
