@@ -81,6 +81,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
     _Action,
     _DistributedRendezvousOpExecutor,
+    _NodeDesc,
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousState,
@@ -211,9 +212,24 @@ def _decode_state(payload: bytes) -> bytes:
     return state
 
 
-def _events_recorded() -> bool:
-    """Whether torch's rendezvous events go anywhere (by default their handler is a ``NullHandler``)."""
-    return not isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler)
+def _record_event(
+    owner: type, node: _NodeDesc, run_id: str, message: str, node_state: NodeState, rank: int | None = None
+) -> None:
+    """Record a rendezvous event as torch's ``_record`` methods do, named ``<owner>.<method that
+    called _record>``, but only if events go anywhere (by default their handler is a
+    ``NullHandler``) and without ``inspect.stack()``; see :class:`_OpExecutor`."""
+    if isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
+        return
+    construct_and_record_rdzv_event(
+        name="%s.%s" % (owner.__name__, sys._getframe(2).f_code.co_name),
+        run_id=run_id,
+        message=message,
+        node_state=node_state,
+        hostname=node.addr,
+        pid=node.pid,
+        local_id=node.local_id,
+        rank=rank,
+    )
 
 
 class _OpExecutor(_DistributedRendezvousOpExecutor):
@@ -253,17 +269,7 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
         super().run(until_the_last_call_ends, deadline, update_deadline)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        if not _events_recorded():
-            return
-        construct_and_record_rdzv_event(
-            name="%s.%s" % (_DistributedRendezvousOpExecutor.__name__, sys._getframe(1).f_code.co_name),
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._node.addr,
-            pid=self._node.pid,
-            local_id=self._node.local_id,
-        )
+        _record_event(_DistributedRendezvousOpExecutor, self._node, self._settings.run_id, message, node_state)
 
 
 def _pause_until_last_call_ends(state: _RendezvousState) -> float | None:
@@ -319,19 +325,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        # as _OpExecutor._record: no inspect.stack() for events nobody records
-        if not _events_recorded():
-            return
-        construct_and_record_rdzv_event(
-            name="%s.%s" % (DynamicRendezvousHandler.__name__, sys._getframe(1).f_code.co_name),
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._this_node.addr,
-            pid=self._this_node.pid,
-            local_id=self._this_node.local_id,
-            rank=rank,
-        )
+        _record_event(DynamicRendezvousHandler, self._this_node, self._settings.run_id, message, node_state, rank)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round; at least 1 when this node is no longer in the round."""
