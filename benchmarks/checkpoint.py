@@ -9,8 +9,12 @@ plus optimizer state (the S3 part uses a 1/4-size state: moto holds objects in m
 several times their size). Every figure is the median of --repeats runs, in the same process,
 with the peers interleaved:
 
-  blocking time of an async save   ours (stage into reused buffers) vs DCP async_save
-                                   (default stager; reused stager) vs copy_ / clone floors
+  blocking time of an async save   what a save adds to the training step that takes it (a
+                                   forward + backward + AdamW step of the model, --batch): ours
+                                   vs DCP async_save (default stager; reused stager; reused
+                                   stager with async staging, waited for before the optimizer
+                                   step as DCP asks), next to the copy_ / clone floors of a
+                                   blocking copy
   sync save to local disk          ours (checksums included) vs f.write+fsync of the same
                                    bytes vs torch.save+fsync vs DCP save, each into new files
                                    (what is replaced or deleted is removed before the timing),
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +78,32 @@ def median_time(fn: Callable[[], object], repeats: int, setup: Callable[[], obje
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def step_stall(step: Callable[[], None], save: Callable[[], float], waited: Callable[[], float],
+               finish: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Medians of a step's seconds ("step"), how long a save blocked the loop ("blocked": the save
+    call plus any wait of the next optimizer step for its copy), and how much longer the step that
+    took the save was than a step alone ("added": blocking plus the interference of the save's
+    background work with that step's compute).
+
+    Each repeat times a step alone, then a save followed by a step, after the previous save has
+    finished (untimed). The first repeat warms up (staging buffers, allocator) and is discarded.
+    """
+    alone, added, blocked = [], [], []
+    for _ in range(repeats + 1):
+        finish()
+        started = time.perf_counter()
+        step()
+        alone.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        returned = save()
+        step()
+        added.append(time.perf_counter() - started - alone[-1])
+        blocked.append(returned + waited())
+    finish()
+    return {"step": statistics.median(alone[1:]), "added": statistics.median(added[1:]),
+            "blocked": statistics.median(blocked[1:])}
 
 
 def rotated_times(contenders: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
@@ -126,38 +157,72 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
         shutil.rmtree(ckpt_root, ignore_errors=True)
         return CheckpointManager(str(ckpt_root), rank=0, world_size=1, run_id="bench", keep=2)
 
-    print("\nblocking time of an asynchronous save (lower is better; target <= 0.15 s/GB):")
+    batch = torch.randn(args.batch, 4096)
+
+    def train_step() -> None:
+        state.model(batch).square().mean().backward()
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+
+    print(f"\nblocking time of an asynchronous save: what it adds to the training step that takes it (forward + "
+          f"backward of a batch of {args.batch}, AdamW step); lower is better; target <= 0.15 s/GB:")
     buffers = [torch.empty_like(t) for t in tensors]
-    row("copy_ into preallocated buffers (floor)", median_time(lambda: [b.copy_(t) for b, t in zip(buffers, tensors)], args.repeats), nbytes)
+    row("copy_ into preallocated buffers (floor of a blocking copy)", median_time(lambda: [b.copy_(t) for b, t in zip(buffers, tensors)], args.repeats), nbytes)
     row("clone() into fresh memory", median_time(lambda: [t.clone() for t in tensors], args.repeats), nbytes)
-    manager = fresh_manager()
-    saver = AsyncCheckpointer(manager)
-    blocked = []
-    for _ in range(args.repeats + 1):  # the first save allocates the staging buffers
-        state.counters.step += 1
-        blocked.append(saver.save(state))
-        saver.wait()
-    row("elastic_ddp AsyncCheckpointer.save (reused)", statistics.median(blocked[1:]), nbytes)
-    row("elastic_ddp first save (allocates buffers)", blocked[0], nbytes)
-    saver.close()
-    sd = {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}
-    for label, make_stager in (("DCP async_save, default stager", lambda: None),
-                               ("DCP async_save, reused stager", lambda: reused)):
-        reused = DefaultStager(StagingOptions(False, False, False, False))
-        returns = []
-        for index in range(args.repeats + 1):
-            target = work / f"dcp-async-{index}"
+    print("  ('blocked' = the save call + the next optimizer step's wait for the copy; 'step +' = how much longer the "
+          "step that takes the save is than a step alone: blocking plus the background work's interference)")
+    for label, overlap in (("elastic_ddp AsyncCheckpointer.save", True),
+                           ("elastic_ddp, all copied before save returns", False)):
+        saver = AsyncCheckpointer(fresh_manager(), overlap=overlap)
+
+        def ours() -> float:
+            state.counters.step += 1
+            return saver.save(state)
+
+        timed = step_stall(train_step, ours, lambda: saver.last_step_wait, saver.wait, args.repeats)
+        row(f"{label}, blocked", timed["blocked"], nbytes, f"step + {timed['added']:.3f} s (alone {timed['step']:.3f} s)")
+        saver.close()
+        saver.manager.wait_for_retention()
+    dcp_state = lambda: {"model": state.model.state_dict(), "optim": state.optimizer.state_dict()}  # noqa: E731
+    for label, options in (("DCP async_save, default stager", None),
+                           ("DCP async_save, reused stager", StagingOptions(False, False, False, False)),
+                           ("DCP async_save, reused stager, async staging", StagingOptions(False, False, True, False))):
+        stager = DefaultStager(options) if options is not None else None
+        response: list = []
+        step_wait = [0.0]
+        targets = iter(range(10**6))
+
+        def dcp_save() -> float:
             started = time.perf_counter()
-            future = dcp.async_save(sd, checkpoint_id=str(target), async_stager=make_stager(), no_dist=True)
-            returns.append(time.perf_counter() - started)
-            future.result()
-            shutil.rmtree(target)
-        reused.close()
-        row(label, statistics.median(returns[1:]), nbytes)
+            step_wait[0] = 0.0
+            response[:] = [dcp.async_save(dcp_state(), checkpoint_id=str(work / f"dcp-async-{next(targets)}"),
+                                          async_stager=stager, no_dist=True)]
+            return time.perf_counter() - started
+
+        def dcp_finish() -> None:
+            if response:
+                result = response.pop()
+                (result.upload_completion if hasattr(result, "upload_completion") else result).result()
+            for path in work.glob("dcp-async-*"):
+                shutil.rmtree(path)
+
+        def staged_before_step(*_: object) -> None:  # what DCP's async staging asks of the caller
+            if response and hasattr(response[0], "staging_completion"):
+                started = time.perf_counter()
+                response[0].staging_completion.result()
+                step_wait[0] = time.perf_counter() - started
+
+        hook = state.optimizer.register_step_pre_hook(staged_before_step)
+        timed = step_stall(train_step, dcp_save, lambda: step_wait[0], dcp_finish, args.repeats)
+        hook.remove()
+        row(f"{label}, blocked", timed["blocked"], nbytes, f"step + {timed['added']:.3f} s (alone {timed['step']:.3f} s)")
+        if stager is not None:
+            stager.close()
 
     print("\nsynchronous save to local disk, each into a new file, in rotating order "
           "(target >= 1.0 GB/s and >= 0.8x f.write+fsync):")
     flat = flatten(state.replicated_state_dict())
+    sd = dcp_state()
     plain_file, torch_file = str(work / "plain.bin"), str(work / "torch.pt")
     manager = fresh_manager()
     keep_all = CheckpointManager(str(work / "ours-keep-all"), rank=0, world_size=1, run_id="bench", keep=1000)
@@ -240,7 +305,7 @@ def s3_benchmarks(args: argparse.Namespace) -> None:
             state.counters.step += 1
             manager.save(state)
 
-        t_ours = median_time(ours, args.repeats)
+        t_ours = median_time(ours, args.repeats, setup=manager.wait_for_retention)  # deletions behind the previous save are not part of this one
         row("elastic_ddp save to s3://", t_ours, nbytes, f"{t_pipe / t_ours:.2f}x pipe_file")
     finally:
         server.terminate()
@@ -250,11 +315,13 @@ def s3_benchmarks(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="batch of the training step that takes the save (default 16)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 part")
     parser.add_argument("--no-local", action="store_true", help="skip the local parts (async, sync, restore)")
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP with no_dist=True says so on every save
     if not dist.is_initialized():  # DCP's stagers and planners expect a process group to exist
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not args.no_local:

@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from elastic_ddp.errors import DataError
@@ -92,9 +93,9 @@ def epoch_permutation(seed: int, epoch: int, dataset_len: int, shuffle: bool) ->
 
 def update_data_digest(previous: str, step_ids: torch.Tensor) -> str:
     """Chain one committed step's sample ids (sorted, so the split among ranks does not matter) into the digest."""
-    ids = torch.sort(step_ids.to(torch.int64)).values
+    ids = np.sort(step_ids.to(torch.int64).numpy())
     hasher = hashlib.sha256(bytes.fromhex(previous))
-    hasher.update(ids.numpy().tobytes())
+    hasher.update(ids.tobytes())
     return hasher.hexdigest()
 
 
@@ -146,6 +147,7 @@ class ElasticSampler:
         self.position = DataPosition()
         # The loader's iterator may run an epoch ahead of the trainer: keep the two newest epochs.
         self._permutations: dict[int, torch.Tensor] = {}
+        self._micro_batches: tuple[StepPlan, list[list[int]]] | None = None
 
     # -- state -----------------------------------------------------------------
 
@@ -184,11 +186,18 @@ class ElasticSampler:
         return split_evenly(plan.size, self.world_size)[self.rank]
 
     def local_micro_batches(self, plan: StepPlan) -> list[list[int]]:
-        """This rank's micro-batches of the step (none when its share is empty)."""
+        """This rank's micro-batches of the step (none when its share is empty).
+
+        The loader's iteration and the trainer both ask for each step's: the newest answer is kept.
+        """
+        if self._micro_batches is not None and self._micro_batches[0] == plan:
+            return self._micro_batches[1]
         start, stop = self.local_share(plan)
         ids = self.global_ids(plan)[start:stop].tolist()
         parts = min(self.grad_accum_steps, len(ids))
-        return [ids[a:b] for a, b in split_evenly(len(ids), parts)] if parts else []
+        micro_batches = [ids[a:b] for a, b in split_evenly(len(ids), parts)] if parts else []
+        self._micro_batches = (plan, micro_batches)
+        return micro_batches
 
     # -- batch sampler protocol --------------------------------------------------
 

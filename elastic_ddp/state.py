@@ -108,6 +108,20 @@ class TrainState:
             state["optimizer_shard"] = self.optimizer.optim.state_dict()  # type: ignore[attr-defined]
         return state
 
+    def optimizer_owned(self) -> frozenset[int]:
+        """Data pointers of the tensors that only the optimizer's ``step()`` changes: the parameters it
+        updates and its per-parameter state (for a sharded optimizer, this rank's shard of it).
+
+        An asynchronous save copies these while the next forward and backward run, and makes that
+        ``step()`` wait for the copy (:class:`~elastic_ddp.checkpoint.async_save.AsyncCheckpointer`).
+        Buffers, scaler and RNG state change elsewhere (a forward updates batch-norm statistics)
+        and are copied before the save returns.
+        """
+        optimizer = self.optimizer.optim if self.sharded_optimizer else self.optimizer  # type: ignore[attr-defined]
+        tensors = [p for group in self.optimizer.param_groups for p in group["params"]]
+        tensors += [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return frozenset(t.data_ptr() for t in tensors if t.numel())
+
     def meta(self) -> dict[str, Any]:
         position = self.sampler.position
         return {

@@ -136,6 +136,12 @@ class Trainer:
         self._restore_or_start_fresh()
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._empty_batch: Any = None
+        self._losses_summed = 0
+        """Per-sample losses added into the loss sum since the last log line (its divisor)."""
+        amp_dtype = getattr(torch, config.amp_dtype)
+        self._autocast: Callable[[], Any] = (
+            (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
+        )
         self._pending_flags: tuple[torch.Tensor, dist.Work] | None = None
         """The stop agreement started at the end of the previous step (see :meth:`_agree`)."""
         self._last_commit_step = self.state.counters.step
@@ -245,7 +251,7 @@ class Trainer:
         counters = self.state.counters
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, their count at log time)
         batches = self._make_loader()
         last_loss: float | None = None
         stop_reason: str | None = None
@@ -386,15 +392,16 @@ class Trainer:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
             self.watchdog.enter("step")
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
-            sync = index == count - 1
-            with nullcontext() if sync else self.ddp.no_sync():
-                with torch.autocast(self.device.type, dtype=getattr(torch, self.config.amp_dtype), enabled=self.config.use_amp):
+            inputs, targets = batch[0], batch[1]
+            if self.device.type != "cpu":
+                inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            with nullcontext() if index == count - 1 else self.ddp.no_sync():
+                with self._autocast():
                     losses = self.loss_fn(self.ddp(inputs), targets)
-                loss = losses.sum() * weight
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum[0] += losses.detach().sum()
-            loss_sum[1] += losses.numel()
+                total = losses.sum()
+                (self.scaler.scale(total * weight) if self.scaler else total * weight).backward()
+            loss_sum[0] += total.detach()
+            self._losses_summed += losses.numel()
         self._optimizer_step()
         counters = self.state.counters
         counters.step += 1
@@ -441,6 +448,7 @@ class Trainer:
 
     def _log_step(self, timer: StepTimer, loss_sum: torch.Tensor, plan: StepPlan) -> float:
         totals = loss_sum.clone()
+        totals[1], self._losses_summed = self._losses_summed, 0
         if self.context.world_size > 1:
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
@@ -487,7 +495,8 @@ class Trainer:
         step = self.state.counters.step
         if self.async_checkpoints is not None and not blocking:
             blocked = self.async_checkpoints.save(self.state)
-            self.log0.info("checkpoint of step %d staged in %.3f s, committing in the background", step, blocked)
+            self.log0.info("checkpoint of step %d captured in %.3f s; parameters and optimizer state are copied during "
+                           "the next step, then committed in the background", step, blocked)
         else:
             started = time.perf_counter()
             if self.async_checkpoints is not None:

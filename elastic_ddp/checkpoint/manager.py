@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,6 +91,27 @@ class Staged:
     step: int
     meta: dict[str, Any]
     files: dict[str, Flat]
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """``(staging buffer, live tensor)`` pairs not copied yet: state that only the optimizer's next
+    step changes, copied by :meth:`finish_staging` while that step's forward and backward run."""
+    after: torch.cuda.Event | None = None
+    """For CUDA tensors among ``pending``: recorded on the training stream when the state was captured."""
+    failure: str | None = None
+    """Why :meth:`finish_staging` failed; reported to the committer like a failed write."""
+
+    def finish_staging(self) -> None:
+        """Copy the pending tensors into their buffers (a CUDA copy on its own stream, after ``after``)."""
+        pending, self.pending = self.pending, []
+        if self.after is None:
+            for buffer, tensor in pending:
+                buffer.copy_(tensor)
+            return
+        stream = torch.cuda.Stream(device=pending[0][1].device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.after)
+            for buffer, tensor in pending:
+                buffer.copy_(tensor, non_blocking=True)
+        stream.synchronize()
 
 
 class Stager:
@@ -105,18 +126,23 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def stage(self, name: str, flat: Flat) -> Flat:
+    def stage(self, name: str, flat: Flat, defer: frozenset[int] = frozenset()) -> tuple[Flat, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The staged payload, and the ``(buffer, tensor)`` pairs left to copy: those whose data pointer is in ``defer``."""
         buffers = self._buffers.get(name, [])
         if len(buffers) != len(flat.tensors) or any(
             b.shape != t.shape or b.dtype != t.dtype for b, t in zip(buffers, flat.tensors)
         ):
             buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in flat.tensors]
             self._buffers[name] = buffers
+        pending = []
         for buffer, tensor in zip(buffers, flat.tensors):
-            buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            if tensor.numel() and tensor.data_ptr() in defer:
+                pending.append((buffer, tensor.detach()))
+            else:
+                buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         if any(t.is_cuda for t in flat.tensors):
             torch.cuda.synchronize()
-        return Flat(flat.tree, buffers)
+        return Flat(flat.tree, buffers), pending
 
 
 class CheckpointManager:
@@ -165,19 +191,33 @@ class CheckpointManager:
         """Save synchronously: write straight from the live state (CPU tensors are not copied)."""
         return self.write_and_commit(self.capture(state, copy=False))
 
-    def capture(self, state: TrainState, copy: bool) -> Staged:
-        """This rank's files of the checkpoint of the current step; ``copy`` stages tensors into reused buffers."""
+    def capture(self, state: TrainState, copy: bool, defer: bool = False) -> Staged:
+        """This rank's files of the checkpoint of the current step; ``copy`` stages tensors into reused buffers.
+
+        ``defer`` leaves the copies of what only the optimizer's step changes to
+        :meth:`Staged.finish_staging`, which must run before that step.
+        """
         files = {rank_file_name(self.rank, self.token): flatten(state.rank_state_dict())}
         if self.rank == 0:
             files[replicated_file_name(self.token)] = flatten(state.replicated_state_dict())
+        staged = Staged(step=state.counters.step, meta=state.meta(), files=files)
         if copy or any(t.device.type != "cpu" or not t.is_contiguous() for f in files.values() for t in f.tensors):
-            files = {name: self.stager.stage(name, flat) for name, flat in files.items()}
-        return Staged(step=state.counters.step, meta=state.meta(), files=files)
+            deferred = state.optimizer_owned() if defer else frozenset()
+            for name, flat in files.items():
+                staged.files[name], pending = self.stager.stage(name, flat, deferred)
+                staged.pending += pending
+            if any(tensor.is_cuda for _, tensor in staged.pending):
+                staged.after = torch.cuda.Event()
+                staged.after.record()
+        return staged
 
     def write_and_commit(self, staged: Staged) -> Manifest:
         """Write this rank's files, then (rank 0) commit the manifest; raises on every rank if any part failed."""
         directory = self.storage.join(step_dir_name(staged.step))
-        records, error = self._write_own_files(staged, directory)
+        if staged.failure is not None:
+            records, error = {}, f"rank {self.rank} could not stage its state: {staged.failure}"
+        else:
+            records, error = self._write_own_files(staged, directory)
         reports = self._gather_to_main((records, error))
         outcome: list[Any] = [None, None, False]  # manifest, failure, lost the create-only race
         if self.rank == 0:

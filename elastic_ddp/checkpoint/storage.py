@@ -39,6 +39,27 @@ READ_CHUNK_BYTES = 16 << 20
 """Reads of large files go in chunks this size, each hashed while the next is read."""
 
 
+BACKGROUND_NICE = 10
+"""Scheduling niceness of the threads that hash and write checkpoints behind the training loop."""
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Make the calling thread yield the CPU to the training loop's threads (Linux; elsewhere a no-op).
+
+    Hashing and writing a checkpoint in the background use a core each; on a node whose cores all
+    train, they would slow every step they overlap. At niceness 10 they run in the time the
+    training threads leave idle (a thread's niceness can be raised, never lowered back, so only
+    threads that do nothing else call this). Threads they start inherit it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:  # a sandbox that forbids it: run at the inherited priority
+        pass
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """What the manifest says about one data file."""
@@ -89,6 +110,7 @@ class Checksum:
 
     def _hash_queued(self) -> None:
         assert self._queue is not None
+        lower_thread_priority()
         while (view := self._queue.get()) is not None:
             self._hasher.update(view)
 
