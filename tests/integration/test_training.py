@@ -62,6 +62,20 @@ def test_resume_at_same_world_size_is_bitwise_identical(reference: dict, split_r
     assert resumed["data_digest"] == reference["facts"]["data_digest"]
 
 
+def test_resume_from_a_checkpoint_committed_in_the_background_is_bitwise_identical(reference: dict, workdir: Path) -> None:
+    """The newest commit is the asynchronous save of step 20, whose parameters and optimizer state
+    were copied while step 21 ran: it must hold step 20's state exactly."""
+    ckpt = workdir / "async-only"
+    train_ok(["--max-steps", "25", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--no-checkpoint-save-final"],
+             nproc=2)
+    assert inspect(str(ckpt))["step"] == 20
+    result = train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"], nproc=2)
+    assert "resumed from" in result.output and "step 20" in result.output
+    facts = inspect(str(ckpt))
+    assert facts["model_digest"] == reference["facts"]["model_digest"]
+    assert facts["data_digest"] == reference["facts"]["data_digest"]
+
+
 @pytest.mark.slow  # 27 s; CI time. CI keeps the bitwise resume of the plain configuration
 def test_resume_with_two_loader_workers_is_bitwise_identical(reference: dict, workdir: Path) -> None:
     ckpt = workdir / "workers"
