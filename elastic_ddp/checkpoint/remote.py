@@ -317,8 +317,8 @@ def _parts(chunks: Iterable[bytes | memoryview], part_bytes: int) -> Iterator[by
     empty when there are no bytes at all): S3 wants every part but the last of at least 5 MiB.
 
     Parts are ``bytearray``, not ``bytes``: botocore wraps a ``bytes`` body in a file object and
-    then asks the endpoint for ``100-continue`` first, a wait that no timeout covers, so a save to
-    an endpoint that stops answering would hang instead of failing (seen against a paused one)."""
+    sends it with ``Expect: 100-continue``; against a paused endpoint such a save hung for minutes
+    instead of failing after its read timeout (the S3-outage test). A ``bytearray`` is sent as is."""
     part, yielded = bytearray(), False
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
