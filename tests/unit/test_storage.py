@@ -420,6 +420,38 @@ def test_s3_hung_endpoint_is_a_storage_error_within_the_configured_timeouts(s3_s
 
 
 @pytest.mark.integration
+def test_s3_writes_to_a_hung_endpoint_fail_within_the_configured_timeouts(s3_server: S3Endpoint) -> None:
+    """Bodies go out with the request: waiting for ``100 Continue`` (botocore asks for it on
+    ``bytes`` bodies) outlived every timeout against a paused endpoint."""
+    options = {"config_kwargs": {"retries": {"max_attempts": 0}, "connect_timeout": 0.5, "read_timeout": 0.5}}
+    storage = open_storage(s3_server.uri, options)
+    writes = {
+        "write": lambda: storage.write(storage.join("step-00000001", "rank-0.eddp"), [b"x" * 4096]),
+        "create": lambda: storage.create(storage.join("step-00000001", "manifest.json"), b"{}"),
+    }
+    s3_server.pause()
+    try:
+        for action, write in writes.items():
+            errors: list[BaseException] = []
+            attempt = threading.Thread(target=lambda: _record_error(write, errors), daemon=True)
+            attempt.start()
+            attempt.join(timeout=30)  # a hung request never returns: fail the test instead of hanging it
+            assert not attempt.is_alive(), f"{action} to a paused endpoint hung"
+            assert len(errors) == 1 and isinstance(errors[0], CheckpointStorageError), errors
+            assert f"cannot {action}" in str(errors[0])
+    finally:
+        s3_server.resume()
+    writes["write"]()  # the same storage works again once the endpoint answers
+
+
+def _record_error(call: Callable[[], object], errors: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        errors.append(exc)
+
+
+@pytest.mark.integration
 def test_s3_credentials_come_from_options_when_given(s3_server: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without AWS_ENDPOINT_URL and the AWS_* keys, the options alone reach the endpoint."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
