@@ -136,8 +136,6 @@ class Trainer:
         self._restore_or_start_fresh()
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._empty_batch: Any = None
-        self._losses_summed = 0
-        """Per-sample losses added into the loss sum since the last log line (its divisor)."""
         amp_dtype = getattr(torch, config.amp_dtype)
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
@@ -251,7 +249,7 @@ class Trainer:
         counters = self.state.counters
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, their count at log time)
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         batches = self._make_loader()
         last_loss: float | None = None
         stop_reason: str | None = None
@@ -392,16 +390,15 @@ class Trainer:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
             self.watchdog.enter("step")
-            inputs, targets = batch[0], batch[1]
-            if self.device.type != "cpu":
-                inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
             with nullcontext() if index == count - 1 else self.ddp.no_sync():
                 with self._autocast():
                     losses = self.loss_fn(self.ddp(inputs), targets)
                 total = losses.sum()
-                (self.scaler.scale(total * weight) if self.scaler else total * weight).backward()
+                loss = total * weight
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum[0] += total.detach()
-            self._losses_summed += losses.numel()
+            loss_sum[1] += losses.numel()
         self._optimizer_step()
         counters = self.state.counters
         counters.step += 1
@@ -448,7 +445,6 @@ class Trainer:
 
     def _log_step(self, timer: StepTimer, loss_sum: torch.Tensor, plan: StepPlan) -> float:
         totals = loss_sum.clone()
-        totals[1], self._losses_summed = self._losses_summed, 0
         if self.context.world_size > 1:
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()

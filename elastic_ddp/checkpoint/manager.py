@@ -203,6 +203,7 @@ class CheckpointManager:
         staged = Staged(step=state.counters.step, meta=state.meta(), files=files)
         if copy or any(t.device.type != "cpu" or not t.is_contiguous() for f in files.values() for t in f.tensors):
             deferred = state.optimizer_owned() if defer else frozenset()
+            staged.files = {}
             for name, flat in files.items():
                 staged.files[name], pending = self.stager.stage(name, flat, deferred)
                 staged.pending += pending

@@ -13,7 +13,7 @@ from elastic_ddp.checkpoint.manager import Staged
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.checkpoint.storage import LocalStorage
 from elastic_ddp.errors import CheckpointError
-from elastic_ddp.state import model_digest
+from elastic_ddp.state import TrainState, model_digest
 from tests.unit.test_checkpoint_local import advance, make_state
 
 
@@ -39,6 +39,17 @@ def make(tmp_path: Path) -> tuple[CheckpointManager, GatedStorage]:
     return CheckpointManager(str(tmp_path), rank=0, world_size=1, run_id="unit", storage=storage), storage
 
 
+def committed_once(tmp_path: Path) -> tuple[CheckpointManager, GatedStorage, AsyncCheckpointer, TrainState]:
+    """A saver whose first save, of step 1, is committed."""
+    manager, storage = make(tmp_path)
+    saver = AsyncCheckpointer(manager)
+    state = make_state()
+    advance(state)
+    saver.save(state)
+    saver.wait()
+    return manager, storage, saver, state
+
+
 def test_staged_snapshot_is_unaffected_by_later_training(tmp_path: Path) -> None:
     manager, storage = make(tmp_path)
     saver = AsyncCheckpointer(manager)
@@ -57,12 +68,7 @@ def test_staged_snapshot_is_unaffected_by_later_training(tmp_path: Path) -> None
 
 
 def test_staging_buffers_are_reused_between_saves(tmp_path: Path) -> None:
-    manager, _ = make(tmp_path)
-    saver = AsyncCheckpointer(manager)
-    state = make_state()
-    advance(state)
-    saver.save(state)
-    saver.wait()
+    manager, _, saver, state = committed_once(tmp_path)
     first = [t.data_ptr() for f in manager.stager._buffers.values() for t in f]
     advance(state)
     saver.save(state)
@@ -89,12 +95,7 @@ def test_a_save_due_while_one_is_in_flight_waits_for_it(tmp_path: Path) -> None:
 
 
 def test_background_failure_is_raised_at_the_next_poll_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    manager, storage = make(tmp_path)
-    saver = AsyncCheckpointer(manager)
-    state = make_state()
-    advance(state)
-    saver.save(state)
-    saver.wait()
+    manager, storage, saver, state = committed_once(tmp_path)
     storage.fail = True
     advance(state)
     saver.save(state)
@@ -181,12 +182,7 @@ def test_buffers_are_copied_before_save_returns(tmp_path: Path, staging_gate: th
 def test_a_failed_background_copy_fails_the_save_and_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manager, _ = make(tmp_path)
-    saver = AsyncCheckpointer(manager)
-    state = make_state()
-    advance(state)
-    saver.save(state)
-    saver.wait()
+    manager, _, saver, state = committed_once(tmp_path)
 
     def broken(staged: Staged) -> None:
         raise RuntimeError("copy failed (injected)")
