@@ -11,6 +11,10 @@ per-step time is its wall time over its steps (loader start-up included for both
 rounds' trainer/plain ratios, printed with its quartiles.
 Prints both medians, the ratio, and the trainer's data-wait share of a step.
 
+The trainer runs Python's garbage collector at fixed steps (``--gc-every``, default 50) instead of
+automatically; the time each loop spent in collections is printed, and ``--plain-gc-schedule``
+gives the plain loop the same schedule, to see what the trainer costs apart from that.
+
 It also isolates the two per-step costs of the resilience layer (both are inside the trainer's
 figure already): the stop-flag agreement (one all-reduce of two int32 per step) and the
 watchdog's phase marks (five per step), each as a fraction of the plain loop's step.
@@ -19,6 +23,7 @@ watchdog's phase marks (five per step), each as a fraction of the plain loop's s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -38,13 +43,15 @@ MODEL_ARGS = [
 ]
 
 
-def plain_loop(config, context, model, data, steps: int, start_step: int) -> tuple[float, float]:
-    """A hand-written DDP loop doing the same work as the trainer; returns (wall, CPU) seconds."""
+def plain_loop(config, context, model, data, steps: int, start_step: int, gc_every: int = 0) -> tuple[float, float]:
+    """A hand-written DDP loop doing the same work as the trainer; returns (wall, CPU) seconds.
+    ``gc_every`` > 0 gives it the trainer's garbage-collection schedule."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
+    from elastic_ddp.collection import StepCollection
     from elastic_ddp.data import epoch_permutation
 
     ddp = DistributedDataParallel(model)
@@ -58,13 +65,16 @@ def plain_loop(config, context, model, data, steps: int, start_step: int) -> tup
     ]
     loader = DataLoader(data, batch_sampler=indices, num_workers=config.data.num_workers)
     started, cpu_started = time.perf_counter(), time.process_time()
-    for inputs, targets, _ in loader:
+    collection = StepCollection(gc_every).start()
+    for step, (inputs, targets, _) in enumerate(loader, 1):
         loss = F.cross_entropy(ddp(inputs), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+        collection.step(step)
+    collection.stop()
     return time.perf_counter() - started, time.process_time() - cpu_started
 
 
@@ -86,6 +96,24 @@ def trainer_loop(config, context, model, data, steps: int, log_dir: str) -> tupl
         with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as handle:
             summary = [r for r in map(json.loads, handle) if "data_wait_s" in r][-1]
     return elapsed, cpu, summary
+
+
+class CollectorTime:
+    """Seconds Python's garbage collector ran while each loop was timed (through ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.loop: str | None = None
+        self.seconds: dict[str, float] = {"plain": 0.0, "trainer": 0.0}
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if self.loop is None:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[self.loop] += time.perf_counter() - self._started
 
 
 def resilience_costs(context, repeats: int = 2000) -> tuple[float, float]:
@@ -125,6 +153,8 @@ def worker(args: argparse.Namespace) -> None:
     data, _ = make_datasets(config.data, config.model)
     plain, ours, wait_share = [], [], []
     cpu: dict[str, list[float]] = {"plain": [], "trainer": []}
+    collector = CollectorTime()
+    plain_gc_every = config.gc_every if args.plain_gc_schedule else 0
     with distributed(config.dist) as context, tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds + 1):  # round 0 warms up both paths and is discarded
             t_plain = t_ours = c_plain = c_ours = 0.0
@@ -133,11 +163,14 @@ def worker(args: argparse.Namespace) -> None:
             # allocator and cache state.
             for which in ("plain", "trainer") if round_index % 2 == 0 else ("trainer", "plain"):
                 torch.manual_seed(0)
+                collector.loop = which if round_index else None
                 if which == "plain":
-                    t_plain, c_plain = plain_loop(config, context, build_model(config.model), data, args.steps, 0)
+                    t_plain, c_plain = plain_loop(config, context, build_model(config.model), data, args.steps, 0,
+                                                  plain_gc_every)
                 else:
                     t_ours, c_ours, summary = trainer_loop(config, context, build_model(config.model), data, args.steps,
                                                    os.path.join(tmp, str(round_index)))
+                collector.loop = None
             if round_index:
                 plain.append(t_plain / args.steps)
                 ours.append(t_ours / args.steps)
@@ -158,6 +191,11 @@ def worker(args: argparse.Namespace) -> None:
             c_plain, c_ours = statistics.median(cpu["plain"]), statistics.median(cpu["trainer"])
             print(f"CPU time per step (rank 0, all its threads): plain {1e3 * c_plain:.1f} ms, "
                   f"elastic_ddp {1e3 * c_ours:.1f} ms, ratio {c_ours / c_plain:.3f}")
+            total_steps = args.rounds * args.steps
+            plain_schedule = "the trainer's schedule" if plain_gc_every else "automatic"
+            print(f"garbage collection per step (rank 0): plain {1e3 * collector.seconds['plain'] / total_steps:.2f} ms "
+                  f"({plain_schedule}), elastic_ddp "
+                  f"{1e3 * collector.seconds['trainer'] / total_steps:.2f} ms (every {config.gc_every} steps)")
             print(f"trainer data-wait share of step time: median {100 * statistics.median(wait_share):.2f}%   (target < 5%)")
             print(f"stop-flag agreement: {1e6 * agreement:.0f} us/step = {100 * agreement / p:.2f}% of a plain step")
             print(f"watchdog phase marks: {1e6 * marks:.1f} us/step = {100 * marks / p:.3f}% of a plain step")
@@ -169,6 +207,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--plain-gc-schedule", action="store_true",
+                        help="give the plain loop the trainer's garbage-collection schedule")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
@@ -176,6 +216,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                __file__, "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    command += ["--plain-gc-schedule"] if args.plain_gc_schedule else []
     sys.exit(subprocess.call(command, env=env, cwd=REPO))
 
 

@@ -297,6 +297,10 @@ class TrainConfig:
     """Autocast dtype; float16 also enables a gradient scaler."""
     eval_every: int = 0
     """Report held-out accuracy every N steps; 0: only at the end."""
+    gc_every: int = 50
+    """Run Python's garbage collector every N steps, on all ranks at the same step, instead of
+    automatically (an automatic collection pauses one rank at a time and the others wait for it at
+    the next all-reduce). 0: leave Python's automatic collection on."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -332,6 +336,8 @@ class TrainConfig:
             found.append(("grad_accum_steps", "must be >= 1"))
         if self.eval_every < 0:
             found.append(("eval_every", "must be >= 0"))
+        if self.gc_every < 0:
+            found.append(("gc_every", "must be >= 0 (0: automatic collection)"))
         if self.global_batch_size > self.data.num_samples and self.data.drop_last:
             found.append(
                 (

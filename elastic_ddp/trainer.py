@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
+from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan, update_data_digest
 from elastic_ddp.distributed import DistContext
@@ -126,7 +127,11 @@ class Trainer:
             fingerprint=fingerprint(config),
             seed=config.seed,
         )
-        self.control_group = self._make_control_group()
+        self.control_group = self._make_gloo_group()
+        self.agreement_group = self._make_gloo_group() if context.backend != "gloo" else None
+        """Carries the per-step stop agreement: its flags stay on the CPU, so reading them never waits for
+        the device (on the default NCCL group that read would synchronise the host with every step).
+        None: the default group, already a CPU one."""
         self.checkpoints = self._make_checkpoint_manager()
         self.async_checkpoints = (
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
@@ -177,9 +182,10 @@ class Trainer:
             group=self.control_group,
         )
 
-    def _make_control_group(self) -> dist.ProcessGroup | None:
-        """A gloo group for checkpoint coordination and consistency checks: object collectives work
-        whatever the training backend is, and a background save never interleaves with the step's collectives."""
+    def _make_gloo_group(self) -> dist.ProcessGroup | None:
+        """A gloo group of all ranks. The control group (checkpoint coordination, consistency checks) is one:
+        object collectives work whatever the training backend is, and a background save never interleaves
+        with the step's collectives."""
         if self.context.world_size == 1:
             return None
         return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.dist.collective_timeout_s))
@@ -251,6 +257,7 @@ class Trainer:
         timer = StepTimer()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
         batches = self._make_loader()
+        collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
         last_loss: float | None = None
         stop_reason: str | None = None
         try:
@@ -268,8 +275,10 @@ class Trainer:
                 if stop_reason is not None:
                     break
                 self._periodic_checks(save_due)
+                collection.step(counters.step)
             self._settle_agreement()
         finally:
+            collection.stop()
             progress.close()
             del batches
         if stop_reason is not None:
@@ -287,9 +296,10 @@ class Trainer:
         """
         every_s = self.config.checkpoint.every_seconds
         time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        flags = torch.tensor([self.stop.requested, time_due], dtype=torch.int32, device=self.device)
+        flags = torch.tensor([self.stop.requested, time_due], dtype=torch.int32)
         if self.context.world_size > 1:
-            pending, self._pending_flags = self._pending_flags, (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agreement_group, async_op=True)
+            pending, self._pending_flags = self._pending_flags, (flags, work)
             if pending is None:
                 return None, False
             flags = self._wait_for(pending)

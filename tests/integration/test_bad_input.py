@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
         ("--max-steps", "-1"),
         ("--global-batch-size", "0"),
         ("--grad-accum-steps", "0"),
+        ("--gc-every", "-1"),
         ("--optim-lr", "-0.1"),
         ("--optim-lr", "fast"),
         ("--checkpoint-keep", "1"),
