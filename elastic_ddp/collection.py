@@ -6,7 +6,8 @@ rank at the next gradient all-reduce, so each rank's pauses cost every rank, and
 some rank is collecting more often. :class:`StepCollection` disables the automatic collector for
 the step loop and collects on every rank at the same steps instead. Objects that exist when the
 loop starts (the model, the data, everything imported) are frozen out of collections, so a
-collection walks only what the loop itself created since and takes a few milliseconds.
+collection walks only what the loop itself created since and takes a few milliseconds; cyclic
+garbage already old at that moment is freed when the loop ends.
 
 Start it after the ``DataLoader``'s workers are forked: a forked worker inherits the collector's
 state, and workers have no step at which to collect.
