@@ -163,6 +163,7 @@ def worker(args: argparse.Namespace) -> None:
             # allocator and cache state.
             for which in ("plain", "trainer") if round_index % 2 == 0 else ("trainer", "plain"):
                 torch.manual_seed(0)
+                gc.collect()  # the previous loop's objects (a trainer is freed by the cyclic collector) are gone
                 collector.loop = which if round_index else None
                 if which == "plain":
                     t_plain, c_plain = plain_loop(config, context, build_model(config.model), data, args.steps, 0,
