@@ -69,6 +69,13 @@ class TrainResult:
     """What asked this rank to stop (signal:SIGTERM, spot-notice), when it was asked."""
 
 
+def agreement_interval(step_time: float, min_interval_s: float, most: int = 1000) -> int:
+    """Steps from one stop agreement to the next: 1, or as many as span ``min_interval_s`` at this step time."""
+    if min_interval_s <= 0 or step_time <= 0:
+        return 1
+    return min(most, max(1, math.ceil(min_interval_s / step_time)))
+
+
 def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
     """Learning-rate factor at ``step``: linear warmup, then constant, cosine or linear decay to ``min_ratio``."""
     if warmup and step < warmup:
@@ -147,6 +154,8 @@ class Trainer:
         )
         self._pending_flags: tuple[torch.Tensor, dist.Work] | None = None
         """The stop agreement started at the end of the previous step (see :meth:`_agree`)."""
+        self._next_agreement = 0
+        """The step at whose end the next stop agreement starts (the same on every rank)."""
         self._last_commit_step = self.state.counters.step
         self._last_commit_time = time.monotonic()
 
@@ -264,9 +273,10 @@ class Trainer:
             while not self.done(plan := self.sampler.plan()):
                 started = time.perf_counter()
                 data_wait = self._step(plan, batches, loss_sum)
-                timer.add(plan.size, time.perf_counter() - started, data_wait)
+                step_time = time.perf_counter() - started
+                timer.add(plan.size, step_time, data_wait)
                 self._set_log_step(counters.step)
-                stop_reason, save_due = self._agree()
+                stop_reason, save_due = self._agree(step_time)
                 if counters.step % self.config.log.every == 0:
                     last_loss = self._log_step(timer, loss_sum, plan)
                     timer.reset()
@@ -285,25 +295,36 @@ class Trainer:
             return self._stop(stop_reason, last_loss)
         return self._finish(last_loss)
 
-    def _agree(self) -> tuple[str | None, bool]:
-        """The per-step decision all ranks share: stop now (and why), and is a time-based save due.
+    def _agree(self, step_time: float) -> tuple[str | None, bool]:
+        """The decision all ranks share: stop now (and why), and is a time-based save due.
 
-        One tiny all-reduce carries (this rank was asked to stop, this rank's save clock ran out);
-        a stop asked of any rank stops all of them at the same step boundary. The all-reduce is
-        started here and read one step later, so it overlaps with that step's compute instead of
-        adding a synchronisation point to every step: a request is acted on at the end of the step
-        after the one in which it arrived, on every rank alike.
+        One tiny all-reduce carries (this rank was asked to stop, this rank's save clock ran out,
+        minus the steps this rank proposes until the next agreement); a stop asked of any rank stops
+        all of them at the same step boundary. The all-reduce is started here and read one step
+        later, so it overlaps with that step's compute instead of adding a synchronisation point.
+        With steps shorter than ``--resilience-agreement-interval-s`` it runs every few steps only,
+        at steps every rank derives from the agreed interval (the smallest proposed). A request is
+        acted on within that interval plus two steps, on every rank alike.
         """
         every_s = self.config.checkpoint.every_seconds
         time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        flags = torch.tensor([self.stop.requested, time_due], dtype=torch.int32)
-        if self.context.world_size > 1:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agreement_group, async_op=True)
-            pending, self._pending_flags = self._pending_flags, (flags, work)
-            if pending is None:
-                return None, False
+        if self.context.world_size == 1:
+            return self._decision(self.stop.requested, time_due)
+        step = self.state.counters.step
+        decision: tuple[str | None, bool] = (None, False)
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
             flags = self._wait_for(pending)
-        stop_any, save_due = bool(flags[0]), bool(flags[1])
+            decision = self._decision(bool(flags[0]), bool(flags[1]))
+            self._next_agreement = step - int(flags[2]) - 1
+        if step >= self._next_agreement:
+            steps = agreement_interval(step_time, self.config.resilience.agreement_interval_s)
+            flags = torch.tensor([self.stop.requested, time_due, -steps], dtype=torch.int32)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agreement_group, async_op=True)
+            self._pending_flags = (flags, work)
+        return decision
+
+    def _decision(self, stop_any: bool, save_due: bool) -> tuple[str | None, bool]:
         if not stop_any:
             return None, save_due
         return ("preempted" if self.stop.requested else "peer-lost"), save_due

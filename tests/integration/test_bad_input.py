@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
         ("--data-num-workers", "-2"),
         ("--model-dropout", "1.5"),
         ("--resilience-spot-notice-url", "ftp://x"),
+        ("--resilience-agreement-interval-s", "-1"),
         ("--checkpoint-storage-options", "[1, 2]"),
     ],
 )

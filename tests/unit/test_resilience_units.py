@@ -138,3 +138,14 @@ def test_disagreeing_ranks_are_those_outside_the_majority() -> None:
     assert disagreeing_ranks([7, 7, 9, 7]) == [2]
     assert disagreeing_ranks([7, 7, 7]) == []
     assert disagreeing_ranks([1, 2]) == [1]  # a tie: rank 0's digest wins
+
+
+def test_stop_agreement_spans_the_interval_with_short_steps_and_runs_every_step_with_long_ones() -> None:
+    from elastic_ddp.trainer import agreement_interval
+
+    assert agreement_interval(0.010, 0.25) == 25
+    assert agreement_interval(0.100, 0.25) == 3
+    assert agreement_interval(0.300, 0.25) == 1
+    assert agreement_interval(0.010, 0.0) == 1  # 0: every step
+    assert agreement_interval(0.0, 0.25) == 1  # no step time measured yet
+    assert agreement_interval(1e-7, 10.0) == 1000  # bounded
