@@ -64,7 +64,7 @@ def plain_loop(config, context, model, data, steps: int, start_step: int, gc_eve
         order[(start_step + s) * config.global_batch_size + context.rank * per_rank :][:per_rank].tolist()
         for s in range(steps)
     ]
-    loader = DataLoader(data, batch_sampler=indices, num_workers=config.data.num_workers)
+    loader = DataLoader(data, batch_sampler=indices, num_workers=config.loader.num_workers)
     started, cpu_started = time.perf_counter(), time.process_time()
     collection = StepCollection(gc_every).start()
     for step, (inputs, targets, _) in enumerate(loader, 1):
@@ -84,10 +84,11 @@ def trainer_loop(config, context, model, data, steps: int, log_dir: str) -> tupl
     last metrics record."""
     import dataclasses
 
+    from elastic_ddp.build import Built
     from elastic_ddp.trainer import Trainer
 
     config = dataclasses.replace(config, max_steps=steps, log=dataclasses.replace(config.log, every=steps, dir=log_dir))
-    trainer = Trainer(config, context, model, data)
+    trainer = Trainer(config, context, Built(model, data))
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.run()
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
@@ -145,13 +146,14 @@ def resilience_costs(context, repeats: int = 2000) -> tuple[float, float]:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from config import MLPConfig
     from dataset import make_datasets
     from elastic_ddp.config import config_from_args
     from elastic_ddp.distributed import distributed
-    from elastic_ddp.trainer import agreement_interval
+    from elastic_ddp.resilience.agreement import agreement_interval
     from model import build_model
 
-    config = config_from_args(MODEL_ARGS + ["--max-steps", str(args.steps)])
+    config = config_from_args(MODEL_ARGS + ["--max-steps", str(args.steps)], config_class=MLPConfig)
     data, _ = make_datasets(config.data, config.model)
     plain, ours, wait_share = [], [], []
     cpu: dict[str, list[float]] = {"plain": [], "trainer": []}

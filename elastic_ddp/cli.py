@@ -92,12 +92,15 @@ def inspect_checkpoint(uri: str, options: dict[str, Any] | None = None) -> dict[
     manifest = info.manifest
     assert manifest is not None
     replicated = deserialize(data[manifest.replicated_file], info.path)
+    model = replicated.get("model") if isinstance(replicated, dict) else None
+    meta = manifest.meta
     return {
+        **{name: value for name, value in meta.items() if name not in ("step", "fingerprint")},
         "path": info.path,
         "step": manifest.step,
-        "epoch": manifest.epoch,
-        "cursor": manifest.cursor,
-        "samples_seen": manifest.samples_seen,
+        "epoch": meta.get("epoch"),
+        "cursor": meta.get("cursor"),
+        "samples_seen": meta.get("samples_seen"),
         "world_size": manifest.world_size,
         "run_id": manifest.run_id,
         "generation": manifest.generation,
@@ -105,8 +108,8 @@ def inspect_checkpoint(uri: str, options: dict[str, Any] | None = None) -> dict[
         "torch_version": manifest.torch_version,
         "total_bytes": manifest.total_bytes,
         "files": sorted(manifest.files),
-        "fingerprint": manifest.fingerprint,
-        "model_digest": model_digest(replicated["model"]),
+        "fingerprint": meta.get("fingerprint", {}),
+        "model_digest": model_digest(model) if isinstance(model, dict) else None,
         "data_digest": manifest.data_digest,
     }
 

@@ -6,8 +6,29 @@ help text is the field's docstring. A field of a section is spelled
 top-level field is ``--<field>`` (``--max-steps``). A TOML or JSON file given with
 ``--config`` is layered under the flags, with one table per section.
 
+The runtime owns only its own sections (loader, optim, checkpoint, dist, resilience, log).
+A training script adds its own by subclassing :class:`TrainConfig`::
+
+    @dataclass(frozen=True, kw_only=True)
+    class ModelConfig:
+        '''My model's shape.'''
+        width: int = 128
+        '''Hidden width.'''                     # the flag's help text
+        def problems(self) -> Problems: ...     # optional: (field, what is wrong) pairs
+
+    @dataclass(frozen=True, kw_only=True)
+    class MyConfig(TrainConfig):
+        model: ModelConfig = field(default_factory=ModelConfig)   # --model-width
+        use_amp: bool = True                                       # a runtime default, overridden
+
+    config = config_from_args(config_class=MyConfig)
+
+Every field a script adds is part of the resume fingerprint (a checkpoint made with another
+value is refused, naming the flag) unless it is declared with :func:`not_fingerprinted`.
+
 Validation happens once, up front, in :meth:`TrainConfig.__post_init__`: every
-problem is collected and reported together, each naming its flag.
+problem of every section, the script's included, is collected and reported together, each
+naming its flag.
 """
 
 from __future__ import annotations
@@ -32,42 +53,9 @@ Problems = list[tuple[str, str]]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the example MLP classifier; part of the resume fingerprint."""
+class LoaderConfig:
+    """How the runtime orders and loads the script's dataset (the global cursor's sampler)."""
 
-    input_dim: int = 32
-    """Number of input features."""
-    hidden_dim: int = 128
-    """Width of each hidden layer."""
-    num_layers: int = 2
-    """Number of hidden layers (each Linear + GELU)."""
-    num_classes: int = 8
-    """Number of output classes."""
-    dropout: float = 0.0
-    """Dropout probability after each hidden layer (exercises the RNG streams)."""
-
-    def problems(self) -> Problems:
-        found: Problems = []
-        for name in ("input_dim", "hidden_dim", "num_layers"):
-            if getattr(self, name) < 1:
-                found.append((name, "must be >= 1"))
-        if self.num_classes < 2:
-            found.append(("num_classes", "must be >= 2"))
-        if not 0.0 <= self.dropout < 1.0:
-            found.append(("dropout", "must be in [0, 1)"))
-        return found
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """The generated dataset and how it is loaded."""
-
-    num_samples: int = 8192
-    """Training samples in the generated dataset (one epoch)."""
-    eval_samples: int = 1024
-    """Held-out samples used to report accuracy."""
-    generator_seed: int = 1234
-    """Seed of the teacher network that generates the dataset (fixes the task)."""
     shuffle: bool = True
     """Draw each epoch's order as a permutation of (seed, epoch); off: natural order."""
     drop_last: bool = True
@@ -79,10 +67,6 @@ class DataConfig:
 
     def problems(self) -> Problems:
         found: Problems = []
-        if self.num_samples < 1:
-            found.append(("num_samples", "must be >= 1"))
-        if self.eval_samples < 0:
-            found.append(("eval_samples", "must be >= 0"))
         if self.num_workers < 0:
             found.append(("num_workers", "must be >= 0"))
         if self.prefetch_factor < 1:
@@ -92,7 +76,7 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW and its learning-rate schedule."""
+    """The runtime's default AdamW and learning-rate schedule (a script's own optimizer factory may read them too)."""
 
     lr: float = 3e-3
     """Peak learning rate."""
@@ -123,8 +107,8 @@ class OptimConfig:
         found: Problems = []
         if not (self.lr > 0 and math.isfinite(self.lr)):
             found.append(("lr", "must be a finite number > 0"))
-        if self.weight_decay < 0:
-            found.append(("weight_decay", "must be >= 0"))
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            found.append(("weight_decay", "must be a finite number >= 0"))
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 found.append((name, "must be in [0, 1)"))
@@ -302,14 +286,13 @@ class TrainConfig:
     amp_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     """Autocast dtype; float16 also enables a gradient scaler."""
     eval_every: int = 0
-    """Report held-out accuracy every N steps; 0: only at the end."""
+    """Run the script's evaluation every N steps; 0: only at the end."""
     gc_every: int = 50
     """Run Python's garbage collector every N steps, on all ranks at the same step, instead of
     automatically (an automatic collection pauses one rank at a time and the others wait for it at
     the next all-reduce). 0: leave Python's automatic collection on."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -322,13 +305,15 @@ class TrainConfig:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(messages))
 
     def _all_problems(self) -> Iterator[tuple[str, str, str]]:
-        for section in section_names():
-            for name, what in getattr(self, section).problems():
+        for section in section_names(type(self)):
+            problems = getattr(getattr(self, section), "problems", None)
+            for name, what in problems() if problems is not None else ():
                 yield section, name, what
         for name, what in self.problems():
             yield "", name, what
 
     def problems(self) -> Problems:
+        """Problems of the top-level fields and across sections; a script's subclass may extend it."""
         found: Problems = []
         if self.max_steps < 0:
             found.append(("max_steps", "must be >= 0 (0: no limit)"))
@@ -344,43 +329,51 @@ class TrainConfig:
             found.append(("eval_every", "must be >= 0"))
         if self.gc_every < 0:
             found.append(("gc_every", "must be >= 0 (0: automatic collection)"))
-        if self.global_batch_size > self.data.num_samples and self.data.drop_last:
-            found.append(
-                (
-                    "global_batch_size",
-                    f"{self.global_batch_size} is larger than the dataset ({self.data.num_samples} samples)"
-                    " with --data-drop-last: an epoch would have no step",
-                )
-            )
         if self.optim.schedule != "constant" and self.optim.decay_steps == 0 and self.max_steps == 0:
             found.append(("optim_decay_steps", "a decaying --optim-schedule needs --optim-decay-steps or --max-steps"))
         return found
 
     @property
     def decay_steps(self) -> int:
-        """The step at which the learning-rate decay reaches its floor."""
+        """The step at which the learning-rate decay reaches its floor (the schedule's horizon)."""
         return self.optim.decay_steps or self.max_steps
 
 
-# Fields that define what a checkpoint *is*; resuming with any of them changed is refused.
-# Everything else (max_steps, cadences, timeouts, logging, num_workers, ...) may change on resume.
-FINGERPRINT_FIELDS: tuple[str, ...] = (
+RUNTIME_FINGERPRINT_FIELDS: tuple[str, ...] = (
     "seed",
     "global_batch_size",
-    "model.input_dim",
-    "model.hidden_dim",
-    "model.num_layers",
-    "model.num_classes",
-    "data.num_samples",
-    "data.generator_seed",
-    "data.shuffle",
-    "data.drop_last",
+    "loader.shuffle",
+    "loader.drop_last",
 )
+"""The runtime's fields that define what a checkpoint *is*; resuming with any of them changed is
+refused. Its other fields (max_steps, cadences, timeouts, logging, num_workers, ...) may change on
+resume. Every field a script adds is fingerprinted too, unless declared with :func:`not_fingerprinted`."""
+
+BUILD_PREFIX = "build."
+"""Fingerprint entries a script's build adds (values that are not config fields, e.g. a corpus hash)."""
+
+
+def not_fingerprinted(default: Any) -> Any:
+    """Declare a field of a script's own section that may change when a run resumes (e.g. a
+    logging cadence): ``every: int = not_fingerprinted(10)``. Leave every field that changes the
+    model or the data fingerprinted."""
+    return field(default=default, metadata={"fingerprint": False})
 
 
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The config values a checkpoint must agree with to be resumed by this run."""
-    return {name: _get_dotted(config, name) for name in FINGERPRINT_FIELDS}
+    return {
+        dotted: _get_dotted(config, dotted)
+        for section, f, _ in _all_leaves(type(config))
+        if _fingerprinted(dotted := _dotted(section, f.name), section, f)
+    }
+
+
+def _fingerprinted(dotted: str, section: str, f: dataclasses.Field) -> bool:
+    if dotted in RUNTIME_FINGERPRINT_FIELDS:
+        return True
+    runtime_owned = section in _RUNTIME_SECTIONS if section else f.name in _RUNTIME_TOP_LEVEL
+    return not runtime_owned and f.metadata.get("fingerprint", True)
 
 
 def storage_options(config: CheckpointConfig) -> dict[str, Any]:
@@ -389,12 +382,18 @@ def storage_options(config: CheckpointConfig) -> dict[str, Any]:
 
 
 def fingerprint_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Describe every fingerprint field whose saved value differs from the current one."""
+    """Describe every fingerprint entry whose saved value differs from the current one."""
     return [
-        f"{flag_for_dotted(name)} was {saved.get(name)!r} in the checkpoint, is {current[name]!r} now"
+        f"{_describe_entry(name)} was {saved.get(name)!r} in the checkpoint, is {current[name]!r} now"
         for name in current
         if saved.get(name) != current[name]
     ]
+
+
+def _describe_entry(name: str) -> str:
+    if name.startswith(BUILD_PREFIX):
+        return f"the training script's {name[len(BUILD_PREFIX):]}"
+    return flag_for_dotted(name)
 
 
 def config_digest(config: TrainConfig) -> str:
@@ -410,12 +409,25 @@ def _get_dotted(config: TrainConfig, dotted: str) -> Any:
     return value
 
 
+def _dotted(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name
+
+
 # --------------------------------------------------------------------------- CLI
 
 
-def section_names() -> tuple[str, ...]:
-    """Names of the nested sections of TrainConfig, in declaration order."""
-    return tuple(f.name for f in dataclasses.fields(TrainConfig) if dataclasses.is_dataclass(f.default_factory))
+def section_names(config_class: type = TrainConfig) -> tuple[str, ...]:
+    """Names of the nested sections of a config class, in declaration order."""
+    hints = typing.get_type_hints(config_class)
+    return tuple(f.name for f in dataclasses.fields(config_class) if _is_section(hints[f.name]))
+
+
+def _is_section(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+_RUNTIME_SECTIONS = frozenset(section_names(TrainConfig))
+_RUNTIME_TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - _RUNTIME_SECTIONS
 
 
 def flag_name(section: str, name: str) -> str:
@@ -430,8 +442,19 @@ def flag_for_dotted(dotted: str) -> str:
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each field (the attribute-docstring convention)."""
-    tree = ast.parse(inspect.getsource(cls))
+    """Docstrings written under each field (the attribute-docstring convention), base classes first."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError, SyntaxError):  # no source (a class made at run time): flags without help
+        return {}
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, following in zip(body, body[1:]):
@@ -449,7 +472,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if not dataclasses.is_dataclass(f.default_factory):
+        if not _is_section(hints[f.name]):
             yield f, hints[f.name]
 
 
@@ -457,7 +480,14 @@ def _default_of(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
 
 
-def build_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+def _section_defaults(config_class: type) -> dict[str, Any]:
+    """Each section's default instance, as the config class builds it (a script may change defaults)."""
+    return {f.name: _default_of(f) for f in dataclasses.fields(config_class) if f.name in section_names(config_class)}
+
+
+def build_parser(
+    prog: str | None = None, description: str | None = None, config_class: type[TrainConfig] = TrainConfig
+) -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field, plus ``--config FILE``."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -465,41 +495,46 @@ def build_parser(prog: str | None = None, description: str | None = None) -> arg
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file layered under the flags")
-    _add_section_flags(parser.add_argument_group("training"), TrainConfig, "")
-    for section in section_names():
-        cls = _section_class(section)
-        _add_section_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section)
+    top = {f.name: _default_of(f) for f, _ in _leaf_fields(config_class)}
+    _add_section_flags(parser.add_argument_group("training"), config_class, "", top)
+    for section, default in _section_defaults(config_class).items():
+        cls = type(default)
+        values = {f.name: getattr(default, f.name) for f, _ in _leaf_fields(cls)}
+        _add_section_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section, values)
     return parser
 
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
-def _section_class(section: str) -> type:
-    return typing.get_type_hints(TrainConfig)[section]
-
-
-def _add_section_flags(group: argparse._ArgumentGroup, cls: type, section: str) -> None:
+def _add_section_flags(group: argparse._ArgumentGroup, cls: type, section: str, defaults: Mapping[str, Any]) -> None:
     docs = _field_docs(cls)
     for f, hint in _leaf_fields(cls):
         flag = flag_name(section, f.name)
-        dest = f"{section}.{f.name}" if section else f.name
-        default = _default_of(f)
-        help_text = f"{docs.get(f.name, '')} (default: {default!r})"
+        dest = _dotted(section, f.name)
+        help_text = f"{docs.get(f.name, '')} (default: {defaults[f.name]!r})".replace("%", "%%")
         if hint is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(hint) is Literal:
             group.add_argument(flag, dest=dest, choices=typing.get_args(hint), help=help_text)
-        else:
+        elif hint in _METAVARS:
             group.add_argument(flag, dest=dest, type=str, metavar=_METAVARS[hint], help=help_text)
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: config fields are bool, int, float, str or a Literal, not {hint!r}")
 
 
-def config_from_args(argv: Sequence[str] | None = None, prog: str | None = None) -> TrainConfig:
-    """Parse flags (over an optional config file over the defaults) into a validated TrainConfig.
+C = typing.TypeVar("C", bound=TrainConfig)
 
+
+def config_from_args(
+    argv: Sequence[str] | None = None, prog: str | None = None, config_class: type[C] = TrainConfig  # type: ignore[assignment]
+) -> C:
+    """Parse flags (over an optional config file over the defaults) into a validated config.
+
+    ``config_class`` is :class:`TrainConfig` or a script's subclass with its own sections.
     Invalid values exit with status 2 and one line per problem, each naming its flag.
     """
-    parser = build_parser(prog=prog)
+    parser = build_parser(prog=prog, config_class=config_class)
     namespace = vars(parser.parse_args(argv))
     try:
         values: dict[str, Any] = {}
@@ -507,7 +542,7 @@ def config_from_args(argv: Sequence[str] | None = None, prog: str | None = None)
         if config_file:
             values.update(_flatten(load_config_file(config_file)))
         values.update(namespace)
-        return make_config(values)
+        return make_config(values, config_class)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
@@ -525,10 +560,14 @@ def load_config_file(path: str) -> dict[str, Any]:
                 import tomllib
             else:  # pragma: no cover - Python 3.10
                 import tomli as tomllib
-            return tomllib.loads(raw.decode())
-        return json.loads(raw)
+            tree = tomllib.loads(raw.decode())
+        else:
+            tree = json.loads(raw)
     except ValueError as exc:
         raise ConfigError(f"--config: {path} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--config: {path} must hold an object of settings (one table per section), not {type(tree).__name__}")
+    return tree
 
 
 def _flatten(tree: Mapping[str, Any]) -> dict[str, Any]:
@@ -542,14 +581,15 @@ def _flatten(tree: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def make_config(values: Mapping[str, Any]) -> TrainConfig:
-    """Build a TrainConfig from flat ``section.field`` keys; values may be strings (from the CLI).
+def make_config(values: Mapping[str, Any], config_class: type[C] = TrainConfig) -> C:  # type: ignore[assignment]
+    """Build a config from flat ``section.field`` keys; values may be strings (from the CLI).
 
     Unknown keys and unconvertible values are reported together with the range checks.
     """
-    known = {f"{section}.{f.name}" if section else f.name: (section, f, hint) for section, f, hint in _all_leaves()}
+    known = {_dotted(section, f.name): (section, f, hint) for section, f, hint in _all_leaves(config_class)}
+    defaults = _section_defaults(config_class)
     problems: list[str] = []
-    converted: dict[str, dict[str, Any]] = {section: {} for section in section_names()}
+    converted: dict[str, dict[str, Any]] = {section: {} for section in defaults}
     top: dict[str, Any] = {}
     for key, raw in values.items():
         if key not in known:
@@ -562,9 +602,9 @@ def make_config(values: Mapping[str, Any]) -> TrainConfig:
             problems.append(f"{flag_name(section, f.name)}: {exc}")
             continue
         (converted[section] if section else top)[f.name] = value
-    sections = {name: _section_class(name)(**converted[name]) for name in section_names()}
+    sections = {name: dataclasses.replace(default, **converted[name]) for name, default in defaults.items()}
     try:
-        config = TrainConfig(**top, **sections)
+        config = config_class(**top, **sections)
     except ConfigError as exc:
         problems.extend(str(exc).splitlines()[1:])
     if problems:
@@ -572,11 +612,11 @@ def make_config(values: Mapping[str, Any]) -> TrainConfig:
     return config
 
 
-def _all_leaves() -> Iterator[tuple[str, dataclasses.Field, Any]]:
-    for f, hint in _leaf_fields(TrainConfig):
+def _all_leaves(config_class: type = TrainConfig) -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    for f, hint in _leaf_fields(config_class):
         yield "", f, hint
-    for section in section_names():
-        for f, hint in _leaf_fields(_section_class(section)):
+    for section, default in _section_defaults(config_class).items():
+        for f, hint in _leaf_fields(type(default)):
             yield section, f, hint
 
 

@@ -1,4 +1,4 @@
-"""The global data cursor (DESIGN.md, contract 1).
+"""The global data cursor (docs/design.md, "Data cursor").
 
 An epoch's order is a permutation drawn from ``(seed, epoch)`` alone. The data
 position is ``{epoch, cursor}``: how many samples of that epoch's permutation the
@@ -14,8 +14,10 @@ standard ``DataLoader`` on any map-style dataset.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,6 +103,7 @@ def update_data_digest(previous: str, step_ids: torch.Tensor) -> str:
 
 EMPTY_DATA_DIGEST = hashlib.sha256(b"").hexdigest()
 """The data digest of a run that has committed no step yet."""
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ElasticSampler:
@@ -134,7 +137,7 @@ class ElasticSampler:
         if drop_last and dataset_len < global_batch_size:
             raise DataError(
                 f"the dataset has {dataset_len} samples, fewer than one global batch ({global_batch_size}); "
-                "with drop_last no step could be formed: lower --global-batch-size or use --no-data-drop-last"
+                "with drop_last no step could be formed: lower --global-batch-size or use --no-loader-drop-last"
             )
         self.dataset_len = dataset_len
         self.global_batch_size = global_batch_size
@@ -145,20 +148,41 @@ class ElasticSampler:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.position = DataPosition()
+        self.samples_seen = 0
+        """Samples the committed steps consumed, over all epochs and launches."""
+        self.data_digest = EMPTY_DATA_DIGEST
+        """SHA-256 chain of every committed step's sample ids: equal for two runs that saw the same data."""
         # The loader's iterator may run an epoch ahead of the trainer: keep the two newest epochs.
         self._permutations: dict[int, torch.Tensor] = {}
         self._micro_batches: tuple[StepPlan, list[list[int]]] | None = None
 
     # -- state -----------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position.epoch, "cursor": self.position.cursor}
+    def state_dict(self) -> dict[str, int | str]:
+        """The committed position, the samples consumed so far and the data digest (JSON-safe)."""
+        return {
+            "epoch": self.position.epoch,
+            "cursor": self.position.cursor,
+            "samples_seen": self.samples_seen,
+            "data_digest": self.data_digest,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        if epoch < 0 or not 0 <= cursor <= self.dataset_len:
-            raise DataError(f"invalid sampler state epoch={epoch} cursor={cursor} for {self.dataset_len} samples")
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; values come from storage, so each is checked."""
+        try:
+            epoch, cursor = int(state["epoch"]), int(state["cursor"])
+            samples_seen = int(state.get("samples_seen", 0))
+            digest = str(state.get("data_digest", EMPTY_DATA_DIGEST))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"invalid sampler state {dict(state)!r}: {exc}") from exc
+        if epoch < 0 or not 0 <= cursor <= self.dataset_len or samples_seen < 0:
+            raise DataError(f"invalid sampler state epoch={epoch} cursor={cursor} samples_seen={samples_seen} "
+                            f"for {self.dataset_len} samples")
+        if not _HEX64.match(digest):
+            raise DataError(f"invalid sampler state: data_digest {digest!r} is not a sha256 hex digest")
         self.position = DataPosition(epoch, cursor)
+        self.samples_seen = samples_seen
+        self.data_digest = digest
 
     # -- planning --------------------------------------------------------------
 
@@ -167,8 +191,17 @@ class ElasticSampler:
         return plan_step(position or self.position, self.dataset_len, self.global_batch_size, self.drop_last)
 
     def commit(self, plan: StepPlan) -> None:
-        """Record that the step ``plan`` describes has been applied to the model."""
+        """Record that the step ``plan`` describes has been applied to the model: move the position,
+        count its samples and chain its sample ids into the data digest."""
+        self.data_digest = update_data_digest(self.data_digest, self.global_ids(plan))
+        self.samples_seen += plan.size
         self.position = plan.next_position
+
+    def loss_scale(self, plan: StepPlan) -> float:
+        """Multiply this rank's *summed* per-sample losses of the step by this before ``backward()``:
+        DDP averages gradients over ranks, so the result is the gradient of the mean loss over the
+        step's whole global batch, exactly, even when ranks hold unequal shares."""
+        return self.world_size / plan.size
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if epoch not in self._permutations:

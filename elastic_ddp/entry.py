@@ -4,8 +4,11 @@ A script builds its model and data and hands over::
 
     @record
     def main() -> int:
-        config = config_from_args(prog="train.py")
-        return run_training(config, build)      # build(config) -> Built(model, train_data, eval_data)
+        config = config_from_args(prog="train.py", config_class=MyConfig)
+        return run_training(config, build)      # build(config) -> Built(model, train_data, ...)
+
+``Built`` (:mod:`elastic_ddp.build`) may also carry the script's optimizer and LR scheduler
+factories, loss, evaluation, extra ``Stateful`` objects and fingerprint entries.
 
 The exit status follows :mod:`elastic_ddp.resilience.exits`, so torchrun's agent restarts,
 re-forms or finishes the job as the reason requires; runtime errors are one log line and an
@@ -16,11 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch.utils.data import Dataset
-
+from elastic_ddp.build import Built
 from elastic_ddp.config import TrainConfig
 from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.errors import ElasticDDPError
@@ -28,21 +29,14 @@ from elastic_ddp.logs import setup_logging
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import leave_job, log_exit, write_error_file
 from elastic_ddp.state import seed_rng_streams
-from elastic_ddp.trainer import LossFn, Trainer, per_sample_cross_entropy
+from elastic_ddp.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-BuildFn = Callable[[TrainConfig], "Built"]
+BuildFn = Callable[[Any], Built]
+"""``build(config)`` for the script's own config class (a TrainConfig subclass)."""
 
-
-@dataclass
-class Built:
-    """What a training script provides: the model, its data, and optionally a per-sample loss."""
-
-    model: torch.nn.Module
-    train_data: Dataset
-    eval_data: Dataset | None = None
-    loss_fn: LossFn = per_sample_cross_entropy
+__all__ = ["Built", "BuildFn", "run_training"]
 
 
 def run_training(config: TrainConfig, build: BuildFn) -> int:
@@ -53,8 +47,7 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
         with distributed(config.dist, env) as context:
             seed_rng_streams(config.seed)  # identical initial weights on every rank
             built = build(config)
-            trainer = Trainer(config, context, built.model, built.train_data, eval_data=built.eval_data,
-                              loss_fn=built.loss_fn, log_context=log)
+            trainer = Trainer(config, context, built, log_context=log)
             try:
                 result = trainer.run()
             finally:

@@ -1,22 +1,23 @@
-"""TrainState: everything a resume needs, as one state dict (DESIGN.md, contract 2).
+"""TrainState: everything a resume needs, as one state dict (docs/design.md, "Resume").
 
 The state has three parts, matching who writes them:
 
-* ``replicated``: model, optimizer, LR scheduler and grad scaler. Identical on every rank
-  under DDP, so rank 0 writes it once.
-* ``rank_local``: this rank's RNG streams, and sharded state — state whose content differs per
-  rank, such as a ``ZeroRedundancyOptimizer``'s shard of the optimizer state. Every rank writes
-  its own.
-* ``meta``: step, data position, data digest and the config fingerprint. Small and
-  identical everywhere; it goes into the checkpoint's manifest.
+* ``replicated``: model, optimizer, LR scheduler, grad scaler and any extra ``Stateful``
+  objects the script hands over. Identical on every rank under DDP, so rank 0 writes it once.
+* ``rank_local``: this rank's RNG streams, sharded state — state whose content differs per
+  rank, such as a ``ZeroRedundancyOptimizer``'s shard of the optimizer state — and the
+  script's per-rank ``Stateful`` objects. Every rank writes its own.
+* ``meta``: step, data position (epoch, cursor, samples seen, data digest), the config
+  fingerprint and the LR schedule's horizon. Small, JSON, identical everywhere; it goes into
+  the checkpoint's manifest.
 
 RNG rule on a world-size change: a rank's saved RNG streams belong to that rank of that
 world size. When the world size differs on resume they are not reused; every rank derives
 fresh streams from ``(seed, step, rank)``, so the run stays deterministic for the new
-world size. The data order never depends on these streams (it is a function of
-``(seed, epoch)``), so the data contract holds either way. Sharded optimizer state is tied to
-its partition: it is restored per rank at the same world size, and a resume onto another world
-size is refused with an error saying so.
+world size (per-rank ``Stateful`` objects start fresh too). The data order never depends on
+these streams (it is a function of ``(seed, epoch)``), so the data contract holds either way.
+Sharded optimizer state is tied to its partition: it is restored per rank at the same world
+size, and a resume onto another world size is refused with an error saying so.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from elastic_ddp.config import fingerprint_mismatches
-from elastic_ddp.data import EMPTY_DATA_DIGEST, DataPosition, ElasticSampler
+from elastic_ddp.data import DataPosition, ElasticSampler
 from elastic_ddp.errors import IncompatibleCheckpointError
 
 _RNG_STEP_STRIDE = 10_007
@@ -48,28 +50,46 @@ def seed_rng_streams(seed: int) -> None:
     random.seed(seed)
 
 
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers, a script's own
+    objects. Its state dict may hold tensors and plain containers of str, int, float, bool and None."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
 @dataclass
 class Counters:
-    """Progress of the run, counted over all its launches."""
+    """Progress of the run, counted over all its launches (the data position lives in the sampler)."""
 
     step: int = 0
-    samples_seen: int = 0
-    data_digest: str = EMPTY_DATA_DIGEST
+
+
+_REPLICATED_NAMES = frozenset({"model", "optimizer", "optimizer_groups", "scheduler", "scaler"})
+_RANK_NAMES = frozenset({"rng", "optimizer_shard"})
 
 
 class TrainState:
-    """Binds the live training objects so they can be saved and restored as one unit."""
+    """Binds the live training objects so they can be saved and restored as one unit.
+
+    It is what :class:`~elastic_ddp.checkpoint.CheckpointManager` saves: ``replicated_state_dict()``,
+    ``rank_state_dict()``, ``meta()`` and ``load_state_dict()``.
+    """
 
     def __init__(
         self,
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        scaler: torch.amp.GradScaler | None,
         sampler: ElasticSampler,
         fingerprint: dict[str, Any],
         seed: int,
+        scheduler: Stateful | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        rank_extra: Mapping[str, Stateful] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -78,7 +98,13 @@ class TrainState:
         self.sampler = sampler
         self.fingerprint = fingerprint
         self.seed = seed
+        self.extra = _named(extra, _REPLICATED_NAMES, "extra")
+        self.rank_extra = _named(rank_extra, _RANK_NAMES, "rank_extra")
         self.counters = Counters()
+        self.annotations: dict[str, Any] = {}
+        """JSON values recorded in every checkpoint's meta beside the position (e.g. the LR horizon)."""
+        self.restored_meta: dict[str, Any] = {}
+        """The meta of the checkpoint this state was last restored from."""
 
     # -- saving ------------------------------------------------------------------
 
@@ -88,7 +114,9 @@ class TrainState:
         return is_zero_optimizer(self.optimizer)
 
     def replicated_state_dict(self) -> dict[str, Any]:
-        state = {"model": self.model.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
         if self.sharded_optimizer:
             # The shard's own param groups hold the hyperparameters of its last step; the scheduler has
             # moved the outer (replicated) groups on since, so those are what a resume must see.
@@ -97,6 +125,7 @@ class TrainState:
             state["optimizer"] = self.optimizer.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        state.update((name, obj.state_dict()) for name, obj in self.extra.items())
         return state
 
     def rank_state_dict(self) -> dict[str, Any]:
@@ -106,6 +135,7 @@ class TrainState:
         state: dict[str, Any] = {"rng": rng}
         if self.sharded_optimizer:
             state["optimizer_shard"] = self.optimizer.optim.state_dict()  # type: ignore[attr-defined]
+        state.update((name, obj.state_dict()) for name, obj in self.rank_extra.items())
         return state
 
     def optimizer_owned(self) -> frozenset[int]:
@@ -123,14 +153,11 @@ class TrainState:
         return frozenset(t.data_ptr() for t in tensors if t.numel())
 
     def meta(self) -> dict[str, Any]:
-        position = self.sampler.position
         return {
             "step": self.counters.step,
-            "epoch": position.epoch,
-            "cursor": position.cursor,
-            "samples_seen": self.counters.samples_seen,
-            "data_digest": self.counters.data_digest,
+            **self.sampler.state_dict(),
             "fingerprint": dict(self.fingerprint),
+            **self.annotations,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,10 +166,14 @@ class TrainState:
     # -- restoring ---------------------------------------------------------------
 
     def check_compatible(self, meta: dict[str, Any], replicated: dict[str, Any] | None = None) -> None:
-        """Refuse a checkpoint whose fingerprint or parameter shapes differ from this run's."""
-        problems = fingerprint_mismatches(meta.get("fingerprint", {}), self.fingerprint)
+        """Refuse a checkpoint whose fingerprint, parameter shapes or set of saved objects differ from this run's."""
+        saved_fingerprint = meta.get("fingerprint", {})
+        problems = fingerprint_mismatches(saved_fingerprint if isinstance(saved_fingerprint, dict) else {}, self.fingerprint)
         if replicated is not None:
-            problems += _shape_mismatches(replicated.get("model", {}), self.model.state_dict())
+            model = replicated.get("model")
+            problems += _shape_mismatches(model if isinstance(model, dict) else {}, self.model.state_dict())
+            wanted = [*self.extra] + (["scheduler"] if self.scheduler is not None else [])
+            problems += [f"the checkpoint holds no state for {name!r}" for name in wanted if not isinstance(replicated.get(name), dict)]
         if problems:
             raise IncompatibleCheckpointError(
                 f"checkpoint at step {meta.get('step')} cannot be resumed by this run:\n  " + "\n  ".join(problems)
@@ -159,15 +190,20 @@ class TrainState:
             )
         self.model.load_state_dict(replicated["model"])
         self._load_optimizer(replicated, rank_local)
-        self.scheduler.load_state_dict(replicated["scheduler"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(replicated["scheduler"])
         if self.scaler is not None and "scaler" in replicated:
             self.scaler.load_state_dict(replicated["scaler"])
-        self.sampler.load_state_dict({"epoch": meta["epoch"], "cursor": meta["cursor"]})
-        self.counters = Counters(
-            step=int(meta["step"]), samples_seen=int(meta["samples_seen"]), data_digest=str(meta["data_digest"])
-        )
+        for name, obj in self.extra.items():
+            obj.load_state_dict(replicated[name])
+        self.sampler.load_state_dict(meta)
+        self.counters = Counters(step=_step_of(meta))
+        self.restored_meta = dict(meta)
         if rank_local is not None:
             _set_rng(rank_local["rng"])
+            for name, obj in self.rank_extra.items():
+                if name in rank_local:
+                    obj.load_state_dict(rank_local[name])
         else:
             seed_rng_streams(derive_rng_seed(self.seed, self.counters.step, self.sampler.rank))
 
@@ -184,6 +220,23 @@ class TrainState:
     @property
     def position(self) -> DataPosition:
         return self.sampler.position
+
+
+def _named(objects: Mapping[str, Stateful] | None, reserved: frozenset[str], what: str) -> dict[str, Stateful]:
+    objects = dict(objects or {})
+    for name, obj in objects.items():
+        if name in reserved or not name.isidentifier():
+            raise ValueError(f"{what}: {name!r} is not a usable name (reserved: {', '.join(sorted(reserved))})")
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
+    return objects
+
+
+def _step_of(meta: Mapping[str, Any]) -> int:
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise IncompatibleCheckpointError(f"checkpoint meta has no valid step ({step!r})")
+    return step
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -4,13 +4,16 @@ One step, on every rank::
 
     plan = sampler.plan()                     # which samples form this step (world-size independent)
     for each of this rank's micro-batches:    # no_sync on all but the last
-        loss = per_sample_loss.sum() * world_size / step_size
+        loss = loss_fn(model(inputs), targets).sum() * world_size / step_size
         backward
     clip, optimizer.step, scheduler.step      # DDP averaged => the mean over the global batch
-    sampler.commit(plan); data_digest += ids  # the position a checkpoint records
+    sampler.commit(plan)                      # the position and data digest a checkpoint records
+    agreement.after_step(...)                 # stop requests, time-based saves: all ranks alike
 
 Weighting each rank's summed loss by ``world_size / step_size`` makes DDP's averaged gradient
-equal to the mean over the whole global batch even when ranks hold unequal shares.
+equal to the mean over the whole global batch even when ranks hold unequal shares; a loss that
+returns a weighted mean is handled as :mod:`elastic_ddp.build` describes. The model, data,
+optimizer, schedule, loss, evaluation and extra state are the script's (:class:`~elastic_ddp.build.Built`).
 """
 
 from __future__ import annotations
@@ -21,25 +24,26 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
+from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.collection import StepCollection
-from elastic_ddp.config import TrainConfig, fingerprint, storage_options
-from elastic_ddp.data import ElasticSampler, StepPlan, update_data_digest
+from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_options
+from elastic_ddp.data import ElasticSampler, StepPlan
 from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import DataError
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
+from elastic_ddp.resilience.agreement import StopAgreement
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
@@ -47,12 +51,8 @@ from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, seed_rn
 
 logger = logging.getLogger(__name__)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(outputs, targets) -> per-sample losses (no reduction)."""
-
-
-def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(outputs.float(), targets, reduction="none")
+LR_HORIZON_KEY = "lr_horizon"
+"""Meta entry recording the step at which the runtime's LR decay reaches its floor."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,8 @@ class TrainResult:
     """Why the run returned: done, preempted (this rank was asked to stop) or peer-lost (another was)."""
     stop_source: str | None = None
     """What asked this rank to stop (signal:SIGTERM, spot-notice), when it was asked."""
-
-
-def agreement_interval(step_time: float, min_interval_s: float, most: int = 1000) -> int:
-    """Steps from one stop agreement to the next: 1, or as many as span ``min_interval_s`` at this step time."""
-    if min_interval_s <= 0 or step_time <= 0:
-        return 1
-    return min(most, max(1, math.ceil(min_interval_s / step_time)))
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The final evaluation's metrics (rank 0)."""
 
 
 def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
@@ -95,35 +90,36 @@ class Trainer:
         self,
         config: TrainConfig,
         context: DistContext,
-        model: torch.nn.Module,
-        train_data: Dataset,
+        built: Built,
         *,
-        eval_data: Dataset | None = None,
-        loss_fn: LossFn = per_sample_cross_entropy,
         log_context: LogContext | None = None,
     ) -> None:
         self.config = config
         self.context = context
         self.device = context.device
-        self.loss_fn = loss_fn
-        self.eval_data = eval_data
-        self.train_data = train_data
+        self.loss_fn = built.loss_fn
+        self.train_data = built.train_data
+        self.evaluate_fn: EvalFn | None = built.evaluate or (
+            accuracy_on(built.eval_data) if built.eval_data is not None and len(built.eval_data) else None  # type: ignore[arg-type]
+        )
+        self.tokens_per_sample = built.tokens_per_sample
         self.log_context = log_context
         self.log0 = main_only(logger, context.rank)
-        self.model = model.to(self.device)
-        self.optimizer = self._make_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.model = built.model.to(self.device)
+        self.optimizer = self._make_optimizer(built)
+        self.default_schedule = built.scheduler is None
+        self.scheduler = self._make_scheduler(built)
         use_scaler = config.use_amp and config.amp_dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.sampler = ElasticSampler(
-            len(train_data),  # type: ignore[arg-type]
+            len(self.train_data),  # type: ignore[arg-type]
             global_batch_size=config.global_batch_size,
             seed=config.seed,
             rank=context.rank,
             world_size=context.world_size,
             grad_accum_steps=config.grad_accum_steps,
-            shuffle=config.data.shuffle,
-            drop_last=config.data.drop_last,
+            shuffle=config.loader.shuffle,
+            drop_last=config.loader.drop_last,
         )
         self.state = TrainState(
             model=self.model,
@@ -131,9 +127,13 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.scaler,
             sampler=self.sampler,
-            fingerprint=fingerprint(config),
+            fingerprint={**fingerprint(config), **{BUILD_PREFIX + k: v for k, v in built.fingerprint.items()}},
             seed=config.seed,
+            extra=built.state,
+            rank_extra=built.rank_state,
         )
+        if self.default_schedule:
+            self.state.annotations[LR_HORIZON_KEY] = config.decay_steps
         self.control_group = self._make_gloo_group()
         self.agreement_group = self._make_gloo_group() if context.backend != "gloo" else None
         """Carries the per-step stop agreement: its flags stay on the CPU, so reading them never waits for
@@ -152,23 +152,39 @@ class Trainer:
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
         )
-        self._pending_flags: tuple[torch.Tensor, dist.Work] | None = None
-        """The stop agreement started at the end of the previous step (see :meth:`_agree`)."""
-        self._next_agreement = 0
-        """The step at whose end the next stop agreement starts (the same on every rank)."""
         self._last_commit_step = self.state.counters.step
         self._last_commit_time = time.monotonic()
 
     # -- setup -------------------------------------------------------------------
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(self, built: Built) -> torch.optim.Optimizer:
         optim = self.config.optim
-        kwargs = dict(lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay)
+        if built.optimizer is not None:
+            optimizer = built.optimizer(self.model)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        else:
+            optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
         if not optim.zero:
-            return torch.optim.AdamW(self.model.parameters(), **kwargs)
+            return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
 
-        return ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+        groups = [dict(group) for group in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+
+    def _make_scheduler(self, built: Built) -> Any:
+        if built.scheduler is None:
+            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        scheduler = built.scheduler(self.optimizer)
+        if all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
+            return scheduler
+        if callable(scheduler):
+            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, scheduler)
+        raise TypeError(f"the script's scheduler factory returned {type(scheduler).__name__}: "
+                        "expected an LR scheduler or a step -> multiplier callable")
 
     def _lr_lambda(self, step: int) -> float:
         optim = self.config.optim
@@ -221,6 +237,10 @@ class Trainer:
             },
             log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
         ).start()
+        self.agreement = StopAgreement(
+            world_size=self.context.world_size, requests=self.stop, group=self.agreement_group,
+            interval_s=resilience.agreement_interval_s, watchdog=self.watchdog,
+        )
 
     def _restore_or_start_fresh(self) -> None:
         restored = None
@@ -236,14 +256,28 @@ class Trainer:
             restored.path, restored.step, position.epoch, position.cursor, restored.world_size,
             self.context.world_size, "" if restored.rank_state_reused else "; RNG streams re-derived",
         )
+        self._check_lr_horizon()
+
+    def _check_lr_horizon(self) -> None:
+        """Warn when the LR schedule's horizon differs from the one the checkpoint was trained with."""
+        saved = self.state.restored_meta.get(LR_HORIZON_KEY)
+        now = self.state.annotations.get(LR_HORIZON_KEY)
+        if saved is None or now is None or saved == now:
+            return
+        pinned = f"--optim-decay-steps {saved}" if not self.config.optim.decay_steps else f"--optim-decay-steps {saved} again"
+        self.log0.warning(
+            "the learning-rate schedule changes on this resume: it decayed to its floor at step %s, now at step %s "
+            "(--optim-decay-steps 0 follows --max-steps); pass %s to keep the schedule the run started with",
+            saved, now, pinned,
+        )
 
     def _make_loader(self) -> Iterator[Any]:
-        workers = self.config.data.num_workers
+        workers = self.config.loader.num_workers
         loader = DataLoader(
             self.train_data,
             batch_sampler=self.sampler,
             num_workers=workers,
-            prefetch_factor=self.config.data.prefetch_factor if workers else None,
+            prefetch_factor=self.config.loader.prefetch_factor if workers else None,
             pin_memory=self.device.type == "cuda",
             # Workers' seeds come from this generator, not the global RNG, so building the loader
             # leaves the model's RNG streams untouched (bitwise resume).
@@ -264,7 +298,7 @@ class Trainer:
         counters = self.state.counters
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples)
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples or units)
         batches = self._make_loader()
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
         last_loss: float | None = None
@@ -286,7 +320,7 @@ class Trainer:
                     break
                 self._periodic_checks(save_due)
                 collection.step(counters.step)
-            self._settle_agreement()
+            self.agreement.settle()
         finally:
             collection.stop()
             progress.close()
@@ -296,52 +330,11 @@ class Trainer:
         return self._finish(last_loss)
 
     def _agree(self, step_time: float) -> tuple[str | None, bool]:
-        """The decision all ranks share: stop now (and why), and is a time-based save due.
-
-        One tiny all-reduce carries (this rank was asked to stop, this rank's save clock ran out,
-        minus the steps this rank proposes until the next agreement); a stop asked of any rank stops
-        all of them at the same step boundary. The all-reduce is started here and read one step
-        later, so it overlaps with that step's compute instead of adding a synchronisation point.
-        With steps shorter than ``--resilience-agreement-interval-s`` it runs every few steps only,
-        at steps every rank derives from the agreed interval (the smallest proposed). A request is
-        acted on within that interval plus two steps, on every rank alike.
-        """
+        """The decision all ranks share at this step boundary: stop now (and why), and is a time-based save due."""
         every_s = self.config.checkpoint.every_seconds
         time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        if self.context.world_size == 1:
-            return self._decision(self.stop.requested, time_due)
-        step = self.state.counters.step
-        decision: tuple[str | None, bool] = (None, False)
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
-            flags = self._wait_for(pending)
-            decision = self._decision(bool(flags[0]), bool(flags[1]))
-            self._next_agreement = step - int(flags[2]) - 1
-        if step >= self._next_agreement:
-            steps = agreement_interval(step_time, self.config.resilience.agreement_interval_s)
-            flags = torch.tensor([self.stop.requested, time_due, -steps], dtype=torch.int32)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agreement_group, async_op=True)
-            self._pending_flags = (flags, work)
-        return decision
-
-    def _decision(self, stop_any: bool, save_due: bool) -> tuple[str | None, bool]:
-        if not stop_any:
-            return None, save_due
-        return ("preempted" if self.stop.requested else "peer-lost"), save_due
-
-    def _settle_agreement(self) -> None:
-        """Complete the all-reduce still in flight when the loop ends (every rank started it)."""
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is not None:
-            self._wait_for(pending)
-
-    def _wait_for(self, pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
-        """The agreed flags of a started all-reduce, waited for under the collective phase's limit."""
-        flags, work = pending
-        self.watchdog.enter("collective")
-        work.wait()
-        self.watchdog.enter("step")
-        return flags
+        decision = self.agreement.after_step(self.state.counters.step, step_time, time_due)
+        return decision.stop, decision.save_due
 
     def _periodic_checks(self, save_due: bool) -> None:
         step = self.state.counters.step
@@ -375,7 +368,7 @@ class Trainer:
             self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
         self.watchdog.enter("idle")
         result = TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
-                             model_digest="", data_digest=self.state.counters.data_digest, reason=reason,
+                             model_digest="", data_digest=self.sampler.data_digest, reason=reason,
                              stop_source=self.stop.reason)
         self.metrics.write({"event": "stop", **result.__dict__})
         return result
@@ -388,19 +381,22 @@ class Trainer:
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
         self.watchdog.enter("eval")
-        accuracy = self.evaluate()
+        metrics = self.evaluate()
         self.watchdog.enter("idle")
         result = TrainResult(
             step=counters.step,
             epoch=self.sampler.position.epoch,
             loss=last_loss,
-            accuracy=accuracy,
+            accuracy=metrics.get("accuracy"),
             model_digest=model_digest(self.model.state_dict()),
-            data_digest=counters.data_digest,
+            data_digest=self.sampler.data_digest,
+            metrics=metrics,
         )
         self.log0.info(
-            "done: step=%d epoch=%d loss=%s accuracy=%s model_digest=%s data_digest=%s",
-            result.step, result.epoch, _fmt(result.loss), _fmt(result.accuracy), result.model_digest, result.data_digest,
+            "done: step=%d epoch=%d loss=%s %smodel_digest=%s data_digest=%s",
+            result.step, result.epoch, _fmt(result.loss),
+            "".join(f"{name}={_fmt(value)} " for name, value in metrics.items()) or "accuracy=n/a ",
+            result.model_digest, result.data_digest,
         )
         self.metrics.write({"event": "done", **result.__dict__})
         return result
@@ -408,9 +404,10 @@ class Trainer:
     def _step(self, plan: StepPlan, batches: Iterator[Any], loss_sum: torch.Tensor) -> float:
         """One optimizer step over the plan's samples; returns the seconds spent waiting for data."""
         micro_batches = self.sampler.local_micro_batches(plan)
-        weight = self.context.world_size / plan.size
+        weight = self.sampler.loss_scale(plan)
         data_wait = 0.0
         count = max(len(micro_batches), 1)  # a rank with no share still joins the gradient all-reduce
+        units: torch.Tensor | None = None  # this rank's summed loss weights, for a WeightedLoss
         for index in range(count):
             waited = time.perf_counter()
             self.watchdog.enter("data")
@@ -424,19 +421,38 @@ class Trainer:
             inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
             with nullcontext() if index == count - 1 else self.ddp.no_sync():
                 with self._autocast():
-                    losses = self.loss_fn(self.ddp(inputs), targets)
-                total = losses.sum()
-                loss = total * weight
+                    outputs = self.ddp(inputs)
+                    losses = self.loss_fn(outputs, targets)
+                if isinstance(losses, WeightedLoss):
+                    numel = torch.as_tensor(losses.weight, dtype=torch.float64, device=self.device)
+                    units = numel if units is None else units + numel
+                    # an empty share's mean may be NaN: its zero must still reach every parameter the forward used
+                    total = losses.mean * losses.weight if micro_batches else _zero_like_outputs(outputs)
+                    loss = total * self.context.world_size
+                else:
+                    total = losses.sum()
+                    loss = total * weight
+                    numel = losses.numel()
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum[0] += total.detach()
-            loss_sum[1] += losses.numel()
+            loss_sum[1] += numel
+        if units is not None:  # the same on every rank: the loss function's kind does not depend on the share
+            self._divide_gradients_by_global_weight(units)
         self._optimizer_step()
-        counters = self.state.counters
-        counters.step += 1
-        counters.samples_seen += plan.size
-        counters.data_digest = update_data_digest(counters.data_digest, self.sampler.global_ids(plan))
+        self.state.counters.step += 1
         self.sampler.commit(plan)
         return data_wait
+
+    def _divide_gradients_by_global_weight(self, units: torch.Tensor) -> None:
+        """Gradients hold the global sum of ``mean * weight``; divide them by the global total weight."""
+        total = units.clone()
+        if self.context.world_size > 1:
+            self.watchdog.enter("collective")
+            dist.all_reduce(total)
+            self.watchdog.enter("step")
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads and float(total) > 0:
+            torch._foreach_div_(grads, float(total))
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -480,7 +496,9 @@ class Trainer:
             dist.all_reduce(totals)
         loss = (totals[0] / totals[1].clamp(min=1)).item()
         summary = timer.summary()
-        lr = self.scheduler.get_last_lr()[0]
+        if self.tokens_per_sample:
+            summary["tokens_per_s"] = summary["samples_per_s"] * self.tokens_per_sample
+        lr = self.optimizer.param_groups[0]["lr"]
         self.log0.info(
             "loss %.4f | lr %.2e | %.0f samples/s | step %.1f ms | data wait %.1f ms | epoch %d | world %d",
             loss, lr, summary["samples_per_s"], 1e3 * summary["step_time_s"], 1e3 * summary["data_wait_s"],
@@ -499,22 +517,19 @@ class Trainer:
         )
         return loss
 
-    def evaluate(self) -> float | None:
-        """Accuracy of the current model on the held-out set (rank 0 computes and logs it)."""
-        if self.eval_data is None or not self.context.is_main or len(self.eval_data) == 0:  # type: ignore[arg-type]
-            return None
+    def evaluate(self) -> dict[str, float]:
+        """The script's evaluation of the current model (rank 0 computes and logs it); {} when there is none."""
+        if self.evaluate_fn is None or not self.context.is_main:
+            return {}
         self.model.eval()
-        correct = total = 0
-        with torch.no_grad():
-            for batch in DataLoader(self.eval_data, batch_size=1024):
-                inputs, targets = (t.to(self.device) for t in batch[:2])
-                correct += int((self.model(inputs).argmax(dim=-1) == targets).sum())
-                total += targets.numel()
-        self.model.train()
-        accuracy = correct / total
-        logger.info("eval accuracy %.4f on %d held-out samples", accuracy, total)
-        self.metrics.write({"step": self.state.counters.step, "eval_accuracy": accuracy, "time": time.time()})
-        return accuracy
+        try:
+            with torch.no_grad():
+                metrics = {name: float(value) for name, value in self.evaluate_fn(self.model, self.device).items()}
+        finally:
+            self.model.train()
+        logger.info("eval %s", " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
+        self.metrics.write({"step": self.state.counters.step, **{f"eval_{k}": v for k, v in metrics.items()}, "time": time.time()})
+        return metrics
 
     def save_checkpoint(self, blocking: bool = False) -> None:
         """Commit a checkpoint of the current step: staged and committed in the background unless ``blocking``."""
@@ -548,3 +563,9 @@ class Trainer:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def _zero_like_outputs(outputs: Any) -> torch.Tensor:
+    """A zero loss that still reaches every parameter the forward used (for a rank with no share of a step)."""
+    tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else [outputs]) if isinstance(t, torch.Tensor)]
+    return sum((t.float().sum() * 0.0 for t in tensors), torch.zeros((), device=tensors[0].device if tensors else None))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from elastic_ddp.config import DataConfig, ModelConfig
+from config import DataConfig, ModelConfig
 
 
 class TeacherDataset(Dataset):

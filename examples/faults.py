@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic_ddp.trainer import LossFn, per_sample_cross_entropy
+from elastic_ddp.build import LossFn, WeightedLoss, per_sample_cross_entropy
 
 
 class InjectedCrash(RuntimeError):
@@ -49,7 +49,7 @@ def faulty_loss(model: torch.nn.Module, base: LossFn = per_sample_cross_entropy)
         return base
     calls = 0
 
-    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | WeightedLoss:
         nonlocal calls
         calls += 1
         for fault in mine:

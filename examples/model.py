@@ -1,11 +1,11 @@
-"""The example model: a small MLP classifier whose shape comes from ModelConfig."""
+"""The example model: a small MLP classifier whose shape comes from the example's ModelConfig."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from elastic_ddp.config import ModelConfig
+from config import ModelConfig
 
 
 def build_model(config: ModelConfig) -> nn.Module:

@@ -15,14 +15,15 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from config import MLPConfig
 from dataset import make_datasets
-from elastic_ddp.config import TrainConfig, config_from_args
+from elastic_ddp.config import config_from_args
 from elastic_ddp.entry import Built, run_training
 from faults import faulty_loss
 from model import build_model
 
 
-def build(config: TrainConfig) -> Built:
+def build(config: MLPConfig) -> Built:
     train_data, eval_data = make_datasets(config.data, config.model)
     model = build_model(config.model)
     return Built(model, train_data, eval_data, loss_fn=faulty_loss(model))
@@ -30,7 +31,7 @@ def build(config: TrainConfig) -> Built:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    return run_training(config_from_args(argv, prog="train.py"), build)
+    return run_training(config_from_args(argv, prog="train.py", config_class=MLPConfig), build)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Saving, discovering and restoring checkpoints under one root (DESIGN.md, contract 3).
+"""Saving, discovering and restoring checkpoints under one root (docs/design.md, "Commit protocol").
 
 Layout::
 
@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from elastic_ddp.errors import (
     CheckpointError,
     NoValidCheckpointError,
 )
-from elastic_ddp.state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +57,25 @@ LATEST_HINT = "latest"
 LEFTOVER_GRACE_S = 600.0
 """A step directory without a manifest is removed only when it is older than the newest commit
 and has not been touched for this long: a live writer (another incarnation) may still be filling it."""
+
+
+class CheckpointState(Protocol):
+    """What the manager saves and restores (the trainer's :class:`~elastic_ddp.state.TrainState` is one).
+
+    ``meta()`` is a small JSON object with an integer ``step``; it goes into the manifest, and
+    ``load_state_dict`` receives it back as ``{"meta", "replicated", "rank_local"}`` (``rank_local``
+    is None when the checkpoint was saved at another world size).
+    """
+
+    def replicated_state_dict(self) -> dict[str, Any]: ...
+
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def meta(self) -> dict[str, Any]: ...
+
+    def optimizer_owned(self) -> frozenset[int]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,7 @@ class Stager:
 
 
 class CheckpointManager:
-    """Save and restore :class:`TrainState` under ``uri`` as one member of a process group.
+    """Save and restore :class:`CheckpointState` under ``uri`` as one member of a process group.
 
     ``group`` is the process group used to coordinate saves and restores (a gloo group, so
     object collectives work whatever the training backend, and so a background save never
@@ -187,11 +205,11 @@ class CheckpointManager:
 
     # -- save --------------------------------------------------------------------
 
-    def save(self, state: TrainState) -> Manifest:
+    def save(self, state: CheckpointState) -> Manifest:
         """Save synchronously: write straight from the live state (CPU tensors are not copied)."""
         return self.write_and_commit(self.capture(state, copy=False))
 
-    def capture(self, state: TrainState, copy: bool, defer: bool = False) -> Staged:
+    def capture(self, state: CheckpointState, copy: bool, defer: bool = False) -> Staged:
         """This rank's files of the checkpoint of the current step; ``copy`` stages tensors into reused buffers.
 
         ``defer`` leaves the copies of what only the optimizer's step changes to
@@ -200,7 +218,8 @@ class CheckpointManager:
         files = {rank_file_name(self.rank, self.token): flatten(state.rank_state_dict())}
         if self.rank == 0:
             files[replicated_file_name(self.token)] = flatten(state.replicated_state_dict())
-        staged = Staged(step=state.counters.step, meta=state.meta(), files=files)
+        meta = state.meta()
+        staged = Staged(step=int(meta["step"]), meta=meta, files=files)
         if copy or any(t.device.type != "cpu" or not t.is_contiguous() for f in files.values() for t in f.tensors):
             deferred = state.optimizer_owned() if defer else frozenset()
             staged.files = {}
@@ -251,19 +270,14 @@ class CheckpointManager:
         files: dict[str, FileRecord] = {}
         for records, _ in reports:
             files.update(records)
-        meta = staged.meta
         manifest = Manifest(
-            step=meta["step"],
-            epoch=meta["epoch"],
-            cursor=meta["cursor"],
-            samples_seen=meta["samples_seen"],
+            step=staged.step,
             world_size=self.world_size,
             run_id=self.run_id,
             generation=self.generation,
-            data_digest=meta["data_digest"],
-            fingerprint=meta["fingerprint"],
             files=files,
             token=self.token,
+            meta=staged.meta,
         )
         self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
         logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
@@ -353,7 +367,7 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------
 
-    def restore(self, state: TrainState, allow_fresh_start: bool = False) -> Restored | None:
+    def restore(self, state: CheckpointState, allow_fresh_start: bool = False) -> Restored | None:
         """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load."""
         choice: list[Any] = [None, None]
         preloaded: dict[str, Any] = {}
@@ -381,7 +395,7 @@ class CheckpointManager:
         if reuse_rank_state:
             name = manifest.rank_file(self.rank)
             rank_local = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
-        state.load_state_dict({"meta": manifest.meta(), "replicated": replicated, "rank_local": rank_local})
+        state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
     def _choose_on_main(self) -> tuple[list[Any], dict[str, Any]]:

@@ -1,8 +1,13 @@
 """The manifest: the last file of a checkpoint, whose existence is the commit.
 
-It lists every data file with size and SHA-256, plus the step, data position, world size,
-run id and generation. Everything read back is validated before it is trusted: a
-manifest is data from storage, not code.
+It holds what the commit protocol needs: the step, world size, run id, generation, writer
+token, torch version and every data file with size and SHA-256. Beside them, ``meta`` is the
+saved state's own small JSON object (for the trainer: data position, data digest, config
+fingerprint), opaque to the commit protocol. Everything read back is validated before it is
+trusted: a manifest is data from storage, not code.
+
+Format 1 (before ``meta``) kept epoch, cursor, samples_seen, data_digest and fingerprint at
+the top level; it is still read, with those fields gathered into ``meta``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import torch
 from elastic_ddp.checkpoint.storage import FileRecord
 from elastic_ddp.errors import CheckpointCorruptError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+_FORMAT_1_META = ("epoch", "cursor", "samples_seen", "data_digest", "fingerprint")
 MANIFEST_NAME = "manifest.json"
 REJECTED_MANIFEST_NAME = "manifest.rejected.json"
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8,})$")
@@ -51,17 +58,14 @@ class Manifest:
     """A committed checkpoint's description."""
 
     step: int
-    epoch: int
-    cursor: int
-    samples_seen: int
     world_size: int
     run_id: str
     generation: int
-    data_digest: str
-    fingerprint: dict[str, Any]
     files: dict[str, FileRecord]
     token: str
     """Random per-launch tag in every data file name: two writers of the same step never share a file."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The saved state's own JSON object; its ``step`` equals :attr:`step`."""
     format_version: int = FORMAT_VERSION
     torch_version: str = field(default_factory=lambda: torch.__version__)
     created_at: float = field(default_factory=time.time)
@@ -83,16 +87,11 @@ class Manifest:
     def rank_file(self, rank: int) -> str:
         return rank_file_name(rank, self.token)
 
-    def meta(self) -> dict[str, Any]:
-        """The TrainState ``meta`` part recorded in this manifest."""
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "samples_seen": self.samples_seen,
-            "data_digest": self.data_digest,
-            "fingerprint": self.fingerprint,
-        }
+    @property
+    def data_digest(self) -> str | None:
+        """The data digest the saved state recorded in its meta, when it has one."""
+        digest = self.meta.get("data_digest")
+        return digest if isinstance(digest, str) else None
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> Manifest:
@@ -112,14 +111,18 @@ class Manifest:
     def _validated(cls, body: Any) -> Manifest:
         if not isinstance(body, dict):
             raise TypeError("top level is not an object")
-        if body["format_version"] != FORMAT_VERSION:
-            raise ValueError(f"unsupported format_version {body['format_version']!r} (this runtime reads {FORMAT_VERSION})")
-        ints = {name: _int(body, name) for name in ("step", "epoch", "cursor", "samples_seen", "world_size", "generation")}
+        version = body["format_version"]
+        if version not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(f"unsupported format_version {version!r} (this runtime reads {READABLE_FORMAT_VERSIONS})")
+        ints = {name: _int(body, name) for name in ("step", "world_size", "generation")}
         if ints["world_size"] < 1:
             raise ValueError("world_size must be >= 1")
-        if not _HEX64.match(str(body["data_digest"])):
+        meta = {"step": ints["step"], **{name: body[name] for name in _FORMAT_1_META}} if version == 1 else _dict(body, "meta")
+        if meta.get("step") != ints["step"]:
+            raise ValueError(f"meta step {meta.get('step')!r} differs from the manifest's step {ints['step']}")
+        if "data_digest" in meta and not _HEX64.match(str(meta["data_digest"])):
             raise ValueError("data_digest is not a sha256 hex digest")
-        if not isinstance(body["fingerprint"], dict):
+        if "fingerprint" in meta and not isinstance(meta["fingerprint"], dict):
             raise TypeError("fingerprint is not an object")
         files = {name: _file_record(name, record) for name, record in _dict(body, "files").items()}
         token = str(body["token"])
@@ -130,10 +133,10 @@ class Manifest:
         return cls(
             **ints,
             run_id=str(body["run_id"]),
-            data_digest=str(body["data_digest"]),
-            fingerprint=body["fingerprint"],
             files=files,
             token=token,
+            meta=meta,
+            format_version=version,
             torch_version=str(body["torch_version"]),
             created_at=float(body["created_at"]),
             hash=str(body.get("hash", "sha256")),

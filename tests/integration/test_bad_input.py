@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
         ("--optim-lr", "fast"),
         ("--checkpoint-keep", "1"),
         ("--dist-init-timeout-s", "0"),
-        ("--data-num-workers", "-2"),
+        ("--loader-num-workers", "-2"),
         ("--model-dropout", "1.5"),
         ("--resilience-spot-notice-url", "ftp://x"),
         ("--resilience-agreement-interval-s", "-1"),

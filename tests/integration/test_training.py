@@ -79,8 +79,8 @@ def test_resume_from_a_checkpoint_committed_in_the_background_is_bitwise_identic
 @pytest.mark.slow  # 27 s; CI time. CI keeps the bitwise resume of the plain configuration
 def test_resume_with_two_loader_workers_is_bitwise_identical(reference: dict, workdir: Path) -> None:
     ckpt = workdir / "workers"
-    train_ok(["--max-steps", "20", "--checkpoint-dir", str(ckpt), "--data-num-workers", "2"], nproc=2)
-    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--data-num-workers", "2"], nproc=2)
+    train_ok(["--max-steps", "20", "--checkpoint-dir", str(ckpt), "--loader-num-workers", "2"], nproc=2)
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--loader-num-workers", "2"], nproc=2)
     facts = inspect(str(ckpt))
     assert facts["model_digest"] == reference["facts"]["model_digest"]
     assert facts["data_digest"] == reference["facts"]["data_digest"]

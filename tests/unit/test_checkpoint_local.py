@@ -29,9 +29,8 @@ def make_state(hidden: int = 8, seed: int = 0) -> TrainState:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     sampler = ElasticSampler(64, global_batch_size=8, seed=0, rank=0, world_size=1)
-    config = TrainConfig(model=TrainConfig().model.__class__(hidden_dim=hidden))
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, scaler=None, sampler=sampler,
-                      fingerprint=fingerprint(config), seed=0)
+                      fingerprint={**fingerprint(TrainConfig()), "model.hidden_dim": hidden}, seed=0)
 
 
 def advance(state: TrainState, steps: int = 1) -> None:

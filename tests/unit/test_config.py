@@ -8,12 +8,14 @@ import json
 import pytest
 
 from elastic_ddp.config import (
+    OptimConfig,
     TrainConfig,
     build_parser,
     config_from_args,
     fingerprint,
     fingerprint_mismatches,
     make_config,
+    not_fingerprinted,
 )
 from elastic_ddp.errors import ConfigError
 
@@ -72,7 +74,7 @@ def test_a_run_needs_some_end() -> None:
 
 
 def test_boolean_flags_have_negations() -> None:
-    assert config_from_args(["--no-data-shuffle"]).data.shuffle is False
+    assert config_from_args(["--no-loader-shuffle"]).loader.shuffle is False
     assert config_from_args(["--use-amp"]).use_amp is True
 
 
@@ -81,3 +83,63 @@ def test_fingerprint_names_changed_fields_and_ignores_resumable_ones() -> None:
     changed = fingerprint(make_config({"global_batch_size": "32", "max_steps": "999", "log.every": "3"}))
     problems = fingerprint_mismatches(saved, changed)
     assert len(problems) == 1 and "--global-batch-size" in problems[0]
+
+
+# -- a script's own sections -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapeConfig:
+    """A script's model section."""
+
+    width: int = 16
+    """Hidden width of the script's model."""
+    log_norms: bool = not_fingerprinted(False)
+    """Log gradient norms (does not change the model or the data)."""
+
+    def problems(self) -> list[tuple[str, str]]:
+        return [("width", "must be >= 1")] if self.width < 1 else []
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptConfig(TrainConfig):
+    shape: ShapeConfig = dataclasses.field(default_factory=ShapeConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=0.5))
+    use_amp: bool = True
+
+
+def test_a_scripts_section_joins_the_flags_the_file_layering_and_the_help(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[shape]\nwidth = 5\n")
+    config = config_from_args(["--config", str(path), "--shape-log-norms"], config_class=ScriptConfig)
+    assert isinstance(config, ScriptConfig) and config.shape == ShapeConfig(width=5, log_norms=True)
+    help_text = build_parser(config_class=ScriptConfig).format_help()
+    assert "--shape-width" in help_text and "Hidden width of the script's model" in help_text
+
+
+def test_a_scripts_defaults_replace_the_runtimes() -> None:
+    config = config_from_args([], config_class=ScriptConfig)
+    assert (config.optim.lr, config.use_amp, config.optim.beta1) == (0.5, True, OptimConfig().beta1)
+    assert config_from_args(["--optim-lr", "0.1"], config_class=ScriptConfig).optim.lr == 0.1
+
+
+def test_a_bad_value_in_a_scripts_section_exits_2_naming_its_flag_with_every_other_problem(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--shape-width", "0", "--log-every", "0"], config_class=ScriptConfig)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--shape-width: must be >= 1" in err and "--log-every:" in err
+
+
+def test_a_scripts_fields_are_fingerprinted_unless_declared_free() -> None:
+    saved = fingerprint(config_from_args([], config_class=ScriptConfig))
+    assert "shape.width" in saved and "shape.log_norms" not in saved and "optim.lr" not in saved
+    changed = fingerprint(config_from_args(["--shape-width", "32", "--shape-log-norms"], config_class=ScriptConfig))
+    assert fingerprint_mismatches(saved, changed) == ["--shape-width was 16 in the checkpoint, is 32 now"]
+
+
+def test_a_config_file_that_is_not_an_object_is_one_error(tmp_path, capsys) -> None:
+    path = tmp_path / "run.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--config", str(path)])
+    assert exit_info.value.code == 2 and "must hold an object of settings" in capsys.readouterr().err

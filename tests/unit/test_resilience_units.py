@@ -141,7 +141,7 @@ def test_disagreeing_ranks_are_those_outside_the_majority() -> None:
 
 
 def test_stop_agreement_spans_the_interval_with_short_steps_and_runs_every_step_with_long_ones() -> None:
-    from elastic_ddp.trainer import agreement_interval
+    from elastic_ddp.resilience.agreement import agreement_interval
 
     assert agreement_interval(0.010, 0.25) == 25
     assert agreement_interval(0.100, 0.25) == 3

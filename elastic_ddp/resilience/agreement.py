@@ -1,0 +1,134 @@
+"""The stop agreement: every rank stops at the same step boundary (docs/design.md, "Stop agreement").
+
+A stop request (SIGTERM, a spot notice) reaches one rank, or some, at any moment. If each rank
+acted on its own, one would leave the next gradient all-reduce while the others wait in it. So
+the ranks agree: at the end of a step every rank contributes (was I asked to stop, is my save
+clock due, how many steps until the next agreement would I like) to one tiny MAX all-reduce, and
+all of them act on the result at the same step. The all-reduce is started at the end of one step
+and read at the end of the next, so it overlaps that step's compute instead of adding a
+synchronisation point; with steps shorter than the interval it runs every few steps, at steps
+every rank derives from the agreed interval. A request is acted on within the interval plus two
+steps, on every rank alike.
+
+A hand-written loop asks once per step::
+
+    agreement = StopAgreement(world_size=dist.get_world_size())   # installs SIGTERM/SIGINT handlers
+    for step in ...:
+        train_one_step()
+        decision = agreement.after_step(step, step_time)
+        if decision.stop:
+            save_checkpoint(); break
+    agreement.close()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.resilience.stop import StopRequests
+
+
+def agreement_interval(step_time: float, min_interval_s: float, most: int = 1000) -> int:
+    """Steps from one stop agreement to the next: 1, or as many as span ``min_interval_s`` at this step time."""
+    if min_interval_s <= 0 or step_time <= 0:
+        return 1
+    return min(most, max(1, math.ceil(min_interval_s / step_time)))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What every rank decided together at the end of a step."""
+
+    stop: str | None = None
+    """None: go on. "preempted": this rank was asked to stop; "peer-lost": another rank was."""
+    save_due: bool = False
+    """Some rank's time-based save clock ran out: every rank saves at this step."""
+
+
+def decide(stop_any: bool, save_any: bool, asked_here: bool) -> Decision:
+    """The decision from the agreed flags (pure)."""
+    if not stop_any:
+        return Decision(None, save_any)
+    return Decision("preempted" if asked_here else "peer-lost", save_any)
+
+
+class PhaseMarker(Protocol):
+    def enter(self, phase: str) -> None: ...
+
+
+class StopAgreement:
+    """Agrees on stop requests and time-based saves across all ranks, once per step (or every few)."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        requests: StopRequests | None = None,
+        group: dist.ProcessGroup | None = None,
+        interval_s: float = 0.25,
+        watchdog: PhaseMarker | None = None,
+    ) -> None:
+        """``requests``: where stop requests arrive; None makes one that handles SIGTERM and SIGINT
+        (restored by :meth:`close`). ``group``: a CPU (gloo) group, or None for the default group when
+        that is gloo; with NCCL training pass a gloo group, so reading the flags never waits for the
+        device. ``interval_s``: agree every few steps when steps are shorter than this (0: every step)."""
+        self.world_size = world_size
+        self._owns_requests = requests is None
+        self.requests = requests or StopRequests()
+        if self._owns_requests:
+            self.requests.install_signal_handlers()
+        self.group = group
+        self.interval_s = interval_s
+        self.watchdog = watchdog
+        self._pending: tuple[torch.Tensor, dist.Work] | None = None
+        """The all-reduce started at the end of the previous agreeing step."""
+        self._next = 0
+        """The step at whose end the next agreement starts (the same on every rank)."""
+
+    @property
+    def reason(self) -> str | None:
+        """What asked this rank to stop (signal:SIGTERM, spot-notice), if anything did."""
+        return self.requests.reason
+
+    def after_step(self, step: int, step_time: float, save_due: bool = False) -> Decision:
+        """Call at the end of every step on every rank, with the same ``step``; act on the decision at once."""
+        if self.world_size == 1:
+            return decide(self.requests.requested, save_due, self.requests.requested)
+        decision = Decision()
+        pending, self._pending = self._pending, None
+        if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
+            flags = self._wait_for(pending)
+            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested)
+            self._next = step - int(flags[2]) - 1
+        if step >= self._next:
+            steps = agreement_interval(step_time, self.interval_s)
+            flags = torch.tensor([self.requests.requested, save_due, -steps], dtype=torch.int32)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self._pending = (flags, work)
+        return decision
+
+    def settle(self) -> None:
+        """Complete the all-reduce still in flight when the loop ends (every rank started it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._wait_for(pending)
+
+    def close(self) -> None:
+        """Settle, and restore the signal handlers this agreement installed."""
+        self.settle()
+        if self._owns_requests:
+            self.requests.restore_signal_handlers()
+
+    def _wait_for(self, pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
+        flags, work = pending
+        if self.watchdog is not None:
+            self.watchdog.enter("collective")
+        work.wait()
+        if self.watchdog is not None:
+            self.watchdog.enter("step")
+        return flags
