@@ -31,6 +31,15 @@ WORLD_CHANGE_ATOL = 1e-6
 BASE_ARGS = ["--log-every", "1", "--optim-decay-steps", "40", "--optim-warmup-steps", "5"]
 
 
+def import_example(module: str) -> Any:
+    """Import one of examples/'s modules the way its scripts see each other (examples/ on sys.path)."""
+    import importlib
+
+    if str(REPO / "examples") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples"))
+    return importlib.import_module(module)
+
+
 @dataclass
 class JobResult:
     returncode: int

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import train, train_ok
+from tests.jobs import import_example, train, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def test_invalid_value_exits_with_status_2_naming_the_flag(flag: str, value: str
     from elastic_ddp.config import config_from_args
 
     with pytest.raises(SystemExit) as exit_info:
-        config_from_args([flag, value], prog="train.py")
+        config_from_args([flag, value], prog="train.py", config_class=import_example("config").MLPConfig)
     assert exit_info.value.code == 2
     assert f"{flag}:" in capsys.readouterr().err
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from elastic_ddp.config import config_from_args, fingerprint, fingerprint_mismatches, flag_name
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
+from tests.jobs import REPO, import_example
 
-from config import MLPConfig  # noqa: E402  (examples/ is a script directory, not a package)
-from dataset import make_datasets  # noqa: E402
+MLPConfig = import_example("config").MLPConfig
+make_datasets = import_example("dataset").make_datasets
 
 RUNTIME_SECTIONS = {"loader", "optim", "checkpoint", "dist", "resilience", "log"}
 

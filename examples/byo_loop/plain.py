@@ -1,0 +1,130 @@
+"""A plain DDP training loop in the seed pipeline's style, without elastic_ddp: the baseline that
+``train.py`` makes elastic (``diff -u plain.py train.py`` shows every added line).
+
+How to run:
+  one process:            python examples/byo_loop/plain.py --max-steps 100
+  one node, 2 processes:  torchrun --standalone --nproc-per-node=2 examples/byo_loop/plain.py --max-steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = 128  # global, over all ranks
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    use_amp: bool = False
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    seed: int = 0
+    num_samples: int = 8192
+    hidden: int = 128
+    num_workers: int = 0
+    log_every: int = 20
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
+
+
+def parse_args(argv: list[str] | None = None) -> TrainingConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(TrainingConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
+    return TrainingConfig(**vars(parser.parse_args(argv)))
+
+
+class Spirals(Dataset):
+    """Two interleaved noisy spirals (generated from a seed, no download)."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        radius = torch.rand(count, generator=generator) * 2 * math.pi
+        self.labels = torch.randint(0, 2, (count,), generator=generator)
+        angle = radius + math.pi * self.labels
+        points = torch.stack([radius * torch.cos(angle), radius * torch.sin(angle)], dim=1) / (2 * math.pi)
+        self.points = points + 0.02 * torch.randn(count, 2, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.points[index], self.labels[index], index
+
+
+def build_model(config: TrainingConfig) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(2, config.hidden), nn.LayerNorm(config.hidden), nn.SiLU(),
+        nn.Linear(config.hidden, config.hidden), nn.SiLU(), nn.Linear(config.hidden, 2),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(config.seed)
+    model = build_model(config).to(device)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, nesterov=True,
+                                weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_decay_every, gamma=0.3)
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type, enabled=config.use_amp and amp_dtype == torch.float16)
+    dataset = Spirals(config.num_samples, config.seed)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=config.seed, drop_last=True)
+    per_rank = config.batch_size // world_size // config.grad_accum_steps
+    loader = DataLoader(dataset, batch_size=per_rank, sampler=sampler, num_workers=config.num_workers, drop_last=True)
+    step, epoch = 0, 0
+    while step < config.max_steps:
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for _ in range(len(loader) // config.grad_accum_steps):
+            if step >= config.max_steps:
+                break
+            for index in range(config.grad_accum_steps):
+                inputs, targets, _ = next(batches)
+                inputs, targets = inputs.to(device), targets.to(device)
+                with nullcontext() if index == config.grad_accum_steps - 1 else ddp.no_sync():
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=config.use_amp):
+                        loss = F.cross_entropy(ddp(inputs).float(), targets) / config.grad_accum_steps
+                    scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            if rank == 0 and step % config.log_every == 0:
+                print(f"step {step} loss {loss.item() * config.grad_accum_steps:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+            if config.checkpoint_dir and config.checkpoint_every and step % config.checkpoint_every == 0 and rank == 0:
+                os.makedirs(config.checkpoint_dir, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                           os.path.join(config.checkpoint_dir, f"step-{step}.pt"))
+        epoch += 1
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
