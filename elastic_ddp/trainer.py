@@ -264,12 +264,12 @@ class Trainer:
         now = self.state.annotations.get(LR_HORIZON_KEY)
         if saved is None or now is None or saved == now:
             return
-        pinned = f"--optim-decay-steps {saved}" if not self.config.optim.decay_steps else f"--optim-decay-steps {saved} again"
         self.log0.warning(
-            "the learning-rate schedule changes on this resume: it decayed to its floor at step %s, now at step %s "
-            "(--optim-decay-steps 0 follows --max-steps); pass %s to keep the schedule the run started with",
-            saved, now, pinned,
+            "the learning-rate schedule changes on this resume: its decay ended at step %s, now at step %s%s; "
+            "pass --optim-decay-steps %s to keep the schedule the run started with",
+            saved, now, "" if self.config.optim.decay_steps else " (--optim-decay-steps 0 follows --max-steps)", saved,
         )
+        self.metrics.write({"event": "lr_horizon_changed", "step": self.state.counters.step, "saved": saved, "now": now})
 
     def _make_loader(self) -> Iterator[Any]:
         workers = self.config.loader.num_workers

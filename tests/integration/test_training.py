@@ -122,3 +122,16 @@ def test_sharded_optimizer_state_round_trips_bitwise_and_refuses_another_world_s
     refused = train(["--max-steps", "40", "--checkpoint-dir", str(split), *zero], nproc=3)
     assert refused.returncode != 0
     assert "sharded over another world size" in refused.output
+
+
+def test_a_resume_that_moves_the_lr_horizon_says_so_naming_both_steps_and_the_flag(tmp_path: Path) -> None:
+    ckpt, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
+    common = ["--checkpoint-dir", ckpt, "--log-dir", logs, "--optim-decay-steps", "0"]
+    train_ok(["--max-steps", "6", *common])
+    resumed = train_ok(["--max-steps", "12", *common])
+    events = [m for m in metrics(logs) if m.get("event") == "lr_horizon_changed"]
+    assert events == [{"event": "lr_horizon_changed", "step": 6, "saved": 6, "now": 12}]
+    warning = [line for line in resumed.output.splitlines() if "learning-rate schedule changes" in line]
+    assert len(warning) == 1 and "step 6" in warning[0] and "step 12" in warning[0] and "--optim-decay-steps 6" in warning[0]
+    pinned = train_ok(["--max-steps", "14", *common[:4], "--optim-decay-steps", "12"])  # as step 12 recorded it
+    assert "learning-rate schedule changes" not in pinned.output
