@@ -384,9 +384,12 @@ def storage_options(config: CheckpointConfig) -> dict[str, Any]:
 def fingerprint_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Describe every fingerprint entry whose saved value differs from the current one."""
     return [
-        f"{_describe_entry(name)} was {saved.get(name)!r} in the checkpoint, is {current[name]!r} now"
+        f"{_describe_entry(name)} was {saved[name]!r} in the checkpoint, is {current[name]!r} now"
+        if name in saved
+        else f"{_describe_entry(name)} is not recorded in the checkpoint (saved by another script or an earlier "
+        f"version), is {current[name]!r} now"
         for name in current
-        if saved.get(name) != current[name]
+        if name not in saved or saved[name] != current[name]
     ]
 
 
