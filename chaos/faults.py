@@ -647,7 +647,8 @@ class CheckpointStore:
                 missing.add(step)
             else:
                 self.committed[step] = manifest["token"]
-                self.commits.append(Commit(step, manifest["data_digest"], manifest["world_size"], time.time()))
+                digest = manifest.get("meta", manifest).get("data_digest")  # format 2 keeps it in meta, format 1 on top
+                self.commits.append(Commit(step, digest, manifest["world_size"], time.time()))
         return in_flight(missing, set(self.committed))
 
     def _read_manifest(self, step: int) -> dict[str, Any] | None:

@@ -63,7 +63,8 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 which the runtime wraps in ``LambdaLR``. Stepped once per optimizer step."""
 
 EvalFn = Callable[[torch.nn.Module, torch.device], Mapping[str, float]]
-"""(model, device) -> named metrics. Runs on rank 0 with the model in eval mode and without gradients."""
+"""(model, device) -> named metrics. Runs on rank 0 with the model in eval mode and without gradients,
+outside the training step's autocast (apply your own if the model should evaluate under it)."""
 
 
 def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -344,6 +344,7 @@ RUNTIME_FINGERPRINT_FIELDS: tuple[str, ...] = (
     "global_batch_size",
     "loader.shuffle",
     "loader.drop_last",
+    "optim.zero",  # sharded optimizer state and replicated state are saved differently
 )
 """The runtime's fields that define what a checkpoint *is*; resuming with any of them changed is
 refused. Its other fields (max_steps, cadences, timeouts, logging, num_workers, ...) may change on

@@ -18,6 +18,7 @@ optimizer, schedule, loss, evaluation and extra state are the script's (:class:`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -81,6 +82,16 @@ def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, mi
     if schedule == "cosine":
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return 1.0 - (1.0 - min_ratio) * progress
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same optimizer (class, defaults, param groups) with its state sharded over the ranks."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
+
+    groups = [dict(group) for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ does not take
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
 
 
 class Trainer:
@@ -154,6 +165,8 @@ class Trainer:
         )
         self._last_commit_step = self.state.counters.step
         self._last_commit_time = time.monotonic()
+        self._last_eval: tuple[int, dict[str, float]] | None = None
+        """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
 
     # -- setup -------------------------------------------------------------------
 
@@ -168,12 +181,7 @@ class Trainer:
                 self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                 weight_decay=optim.weight_decay,
             )
-        if not optim.zero:
-            return optimizer
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
-
-        groups = [dict(group) for group in optimizer.param_groups]
-        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+        return shard_optimizer(optimizer) if optim.zero else optimizer
 
     def _make_scheduler(self, built: Built) -> Any:
         if built.scheduler is None:
@@ -343,7 +351,8 @@ class Trainer:
             self.evaluate()
         if self.config.resilience.consistency_every and step % self.config.resilience.consistency_every == 0:
             self.watchdog.enter("collective")
-            check_consistency(self.model, step, self.control_group)
+            # not the control group: a background save's commit uses that one from its own thread
+            check_consistency(self.model, step, self.agreement_group)
         if self.async_checkpoints is not None:
             self.async_checkpoints.poll()
         every = self.config.checkpoint.every
@@ -381,7 +390,8 @@ class Trainer:
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
         self.watchdog.enter("eval")
-        metrics = self.evaluate()
+        metrics = self._last_eval if self._last_eval is not None and self._last_eval[0] == counters.step else None
+        metrics = metrics[1] if metrics is not None else self.evaluate()
         self.watchdog.enter("idle")
         result = TrainResult(
             step=counters.step,
@@ -393,9 +403,9 @@ class Trainer:
             metrics=metrics,
         )
         self.log0.info(
-            "done: step=%d epoch=%d loss=%s %smodel_digest=%s data_digest=%s",
-            result.step, result.epoch, _fmt(result.loss),
-            "".join(f"{name}={_fmt(value)} " for name, value in metrics.items()) or "accuracy=n/a ",
+            "done: step=%d epoch=%d loss=%s accuracy=%s %smodel_digest=%s data_digest=%s",
+            result.step, result.epoch, _fmt(result.loss), _fmt(result.accuracy),
+            "".join(f"eval_{name}={_fmt(value)} " for name, value in metrics.items()),
             result.model_digest, result.data_digest,
         )
         self.metrics.write({"event": "done", **result.__dict__})
@@ -527,6 +537,7 @@ class Trainer:
                 metrics = {name: float(value) for name, value in self.evaluate_fn(self.model, self.device).items()}
         finally:
             self.model.train()
+        self._last_eval = (self.state.counters.step, metrics)
         logger.info("eval %s", " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
         self.metrics.write({"step": self.state.counters.step, **{f"eval_{k}": v for k, v in metrics.items()}, "time": time.time()})
         return metrics

@@ -40,6 +40,20 @@ def import_example(module: str) -> Any:
     return importlib.import_module(module)
 
 
+def import_script(path: Path) -> Any:
+    """Import a training script by path, under a name of its own, with its directory on sys.path."""
+    import importlib.util
+
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"script_{path.parent.name}_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
 @dataclass
 class JobResult:
     returncode: int

@@ -3,7 +3,7 @@
 Layout::
 
     <root>/step-00000040/replicated-<token>.eddp   rank 0: model, optimizer, scheduler, scaler
-    <root>/step-00000040/rank-00000-<token>.eddp   every rank: its own RNG streams
+    <root>/step-00000040/rank-00000-<token>.eddp   every rank: its RNG streams, sharded and per-rank state
     <root>/step-00000040/manifest.json           written last, create-only: the commit
     <root>/latest                                a hint, updated after the commit
 

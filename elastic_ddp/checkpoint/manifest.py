@@ -44,7 +44,7 @@ def replicated_file_name(token: str) -> str:
 
 
 def rank_file_name(rank: int, token: str) -> str:
-    """One rank's own state (RNG streams)."""
+    """One rank's own state: RNG streams, sharded optimizer state, the script's per-rank objects."""
     return f"rank-{rank:05d}-{token}.eddp"
 
 

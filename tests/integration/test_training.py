@@ -135,3 +135,10 @@ def test_a_resume_that_moves_the_lr_horizon_says_so_naming_both_steps_and_the_fl
     assert len(warning) == 1 and "step 6" in warning[0] and "step 12" in warning[0] and "--optim-decay-steps 6" in warning[0]
     pinned = train_ok(["--max-steps", "14", *common[:4], "--optim-decay-steps", "12"])  # as step 12 recorded it
     assert "learning-rate schedule changes" not in pinned.output
+
+
+def test_consistency_checks_and_background_saves_at_every_step_do_not_cross(tmp_path: Path) -> None:
+    """The consistency check's all-gather and a background save's commit ran on one group from two
+    threads: their collectives crossed and a healthy run stopped as diverged."""
+    train_ok(["--max-steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1",
+              "--resilience-consistency-every", "1"], nproc=2)

@@ -231,3 +231,24 @@ def test_sharded_optimizer_resume_continues_bitwise(tmp_path: Path) -> None:
         assert model_digest(resumed.model.state_dict()) == model_digest(straight.model.state_dict())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.01),
+    lambda params: torch.optim.SGD([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:]}], lr=0.1, momentum=0.9),
+])
+def test_any_optimizer_is_sharded_with_its_class_defaults_and_param_groups(make) -> None:
+    import torch.distributed as dist
+
+    from elastic_ddp.trainer import shard_optimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        state = make_state()
+        plain = make(list(state.model.parameters()))
+        sharded = shard_optimizer(make(list(state.model.parameters())))
+        assert type(sharded.optim) is type(plain)
+        assert [{k: v for k, v in g.items() if k != "params"} for g in sharded.param_groups] == \
+               [{k: v for k, v in g.items() if k != "params"} for g in plain.param_groups]
+    finally:
+        dist.destroy_process_group()
