@@ -1,4 +1,4 @@
-"""Elastic components for a training loop you keep: the library path.
+"""Elastic components for a training loop you keep: the library path (docs/design.md, "Bring your own model").
 
 Three pieces turn a hand-written DDP loop into an elastic one (``examples/byo_loop/train.py``
 shows them in the seed pipeline's own loop):

@@ -1,4 +1,4 @@
-"""``etcd-v3``: torch's dynamic rendezvous over the etcd v3 API, registered for torchrun.
+"""``etcd-v3``: torch's dynamic rendezvous over the etcd v3 API, registered for torchrun (docs/design.md, "Rendezvous").
 
 Use::
 
