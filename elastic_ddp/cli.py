@@ -19,6 +19,7 @@ jobs from the outside; the runtime itself never imports it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -39,7 +40,8 @@ def _split_uri(uri: str) -> tuple[str, int | None]:
     step = parse_step_dir(basename(uri))
     if step is None:
         return uri, None
-    return uri.rstrip("/").rsplit("/", 1)[0] or "/", step
+    parent, slash, _ = uri.rstrip("/").rpartition("/")
+    return (parent or "/") if slash else ".", step
 
 
 def _manager(root: str, options: dict[str, Any] | None = None) -> CheckpointManager:
@@ -65,6 +67,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     manager = _manager(root, args.options)
     infos = manager.list()
     if not infos:
+        _require_root(manager)
         print(f"no checkpoints under {root}")
         return 0
     print(f"{'step':>8}  {'created (UTC)':19}  {'size MB':>8}  {'world':>5}  valid")
@@ -125,12 +128,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_root(manager: CheckpointManager) -> None:
+    if not manager.storage.exists(manager.storage.root):
+        raise CheckpointError(f"{manager.uri} does not exist")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     root, step = _split_uri(args.uri)
     step = args.step if args.step is not None else step
     manager = _manager(root, args.options)
-    infos = [manager.describe(step)] if step is not None else [i for i in manager.list() if i.committed]
+    # every step that has a manifest file: one that does not parse is a failure, not an absence
+    infos = [manager.describe(step)] if step is not None else [i for i in manager.list() if i.manifest_present]
     if not infos:
+        _require_root(manager)
         print(f"no committed checkpoints under {root}", file=sys.stderr)
         return 1
     failed = 0
@@ -152,7 +162,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         return 2
     manager = _manager(root, args.options)
     if args.dry_run:
-        print(f"would remove {manager.describe(step).path}")
+        print(f"would remove {manager.existing_step_path(step)}")
         return 0
     print(f"removed {manager.remove_step(step)}")
     return 0
@@ -190,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
     commands = parser.add_subparsers(dest="command", required=True)
     ckpt = commands.add_parser("ckpt", help="list, inspect, verify and clean up checkpoints")
-    ckpt.add_argument("--storage-options", metavar="JSON", default="",
-                      help="fsspec options for a remote URI, as for --checkpoint-storage-options (e.g. an S3 endpoint_url)")
+    options_help = "fsspec options for a remote URI, as for --checkpoint-storage-options (e.g. an S3 endpoint_url)"
+    ckpt.add_argument("--storage-options", metavar="JSON", default="", help=options_help)
+    options = argparse.ArgumentParser(add_help=False)  # accepted after the subcommand too
+    options.add_argument("--storage-options", metavar="JSON", default=argparse.SUPPRESS, help=options_help)
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ckpt_commands.add_parser = functools.partial(ckpt_commands.add_parser, parents=[options])  # type: ignore[method-assign]
     ls = ckpt_commands.add_parser("ls", help="list step directories with time, size, world size and validity")
     ls.add_argument("uri", help="checkpoint root (a path or URI)")
     ls.set_defaults(func=cmd_ls)

@@ -86,6 +86,8 @@ class CheckpointInfo:
     path: str
     manifest: Manifest | None
     problem: str = ""
+    manifest_present: bool = True
+    """Whether the directory holds a manifest file at all (committed, or one that does not verify)."""
 
     @property
     def committed(self) -> bool:
@@ -333,7 +335,7 @@ class CheckpointManager:
         path = self.storage.join(step_dir_name(step))
         manifest_path = self._manifest_path(step)
         if not self.storage.exists(manifest_path):
-            return CheckpointInfo(step, path, None, "no manifest (not committed)")
+            return CheckpointInfo(step, path, None, "no manifest (not committed)", manifest_present=False)
         try:
             manifest = Manifest.from_json(self.storage.read(manifest_path), manifest_path)
         except CheckpointError as exc:
@@ -402,7 +404,7 @@ class CheckpointManager:
         """Rank 0: the newest checkpoint that verifies, and its own files already decoded (read once)."""
         rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.list():
-            if not info.committed and not self.storage.exists(self._manifest_path(info.step)):
+            if not info.manifest_present:
                 continue  # an unfinished write: never a candidate, not a defect
             try:
                 data = self.verify(info)
@@ -457,13 +459,18 @@ class CheckpointManager:
             logger.info("retention removed %s", path)
         return doomed
 
+    def existing_step_path(self, step: int) -> str:
+        """The path of step ``step``'s directory; CheckpointError when there is none."""
+        path = self.storage.join(step_dir_name(step))
+        if not self.storage.exists(path) and not self.storage.list_dir(path):
+            raise CheckpointError(f"{path} does not exist")
+        return path
+
     def remove_step(self, step: int) -> str:
         """Delete one step directory (committed or not)."""
-        info = self.describe(step)
-        if not self.storage.exists(info.path) and not self.storage.list_dir(info.path):
-            raise CheckpointError(f"{info.path} does not exist")
-        self._remove_dir(info.path)
-        return info.path
+        path = self.existing_step_path(step)
+        self._remove_dir(path)
+        return path
 
     def _remove_dir(self, path: str) -> None:
         """Remove a step directory manifest first: interrupted half-way, it is an unfinished write,

@@ -128,8 +128,10 @@ class Manifest:
         token = str(body["token"])
         if not _TOKEN.match(token):
             raise ValueError(f"token {token!r} is not a writer token")
-        if replicated_file_name(token) not in files:
-            raise ValueError(f"{replicated_file_name(token)} is not listed")
+        missing = [name for name in (replicated_file_name(token), *(rank_file_name(r, token) for r in range(ints["world_size"])))
+                   if name not in files]
+        if missing:  # every rank writes its own file: a manifest without one cannot be resumed at its world size
+            raise ValueError(f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} not listed")
         return cls(
             **ints,
             run_id=str(body["run_id"]),

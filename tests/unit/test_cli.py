@@ -72,3 +72,43 @@ def test_errors_are_one_line_without_traceback(tmp_path: Path, capsys) -> None:
     assert main(["ckpt", "inspect", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("elastic-ddp: error: no valid checkpoint") and "Traceback" not in err
+
+
+def test_ls_and_verify_of_a_root_that_does_not_exist_fail_naming_it(tmp_path: Path, capsys) -> None:
+    missing = str(tmp_path / "nowhere")
+    assert main(["ckpt", "ls", missing]) == 1
+    assert main(["ckpt", "verify", missing]) == 1
+    assert capsys.readouterr().err.count(f"elastic-ddp: error: {missing} does not exist") == 2
+
+
+def test_verify_fails_naming_a_step_whose_manifest_is_garbage(root: Path, capsys) -> None:
+    (root / "step-00000004" / "manifest.json").write_text("{not json")
+    assert main(["ckpt", "verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "step-00000004" in out and "ok    " in out
+
+
+def test_verify_fails_a_manifest_that_lists_no_file_for_one_rank(root: Path, capsys) -> None:
+    path = root / "step-00000006" / "manifest.json"
+    body = json.loads(path.read_text())
+    body["world_size"] = 2  # as if rank 1's entry were lost: resuming at world size 2 would fail on rank 1
+    path.write_text(json.dumps(body))
+    assert main(["ckpt", "verify", str(root), "--step", "6"]) == 1
+    assert "rank-00001-" in capsys.readouterr().out
+
+
+def test_rm_dry_run_of_a_step_that_does_not_exist_fails(root: Path, capsys) -> None:
+    assert main(["ckpt", "rm", str(root), "--step", "999", "--dry-run"]) == 1
+    assert "step-00000999 does not exist" in capsys.readouterr().err
+
+
+def test_inspect_a_step_directory_named_relative_to_the_working_directory(root: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(root)
+    assert main(["ckpt", "inspect", "step-00000004", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+
+
+def test_storage_options_are_accepted_after_the_subcommand(root: Path, capsys) -> None:
+    assert main(["ckpt", "ls", str(root), "--storage-options", "{}"]) == 0
+    assert main(["ckpt", "ls", str(root), "--storage-options", "[1]"]) == 1
+    assert "must be a JSON object" in capsys.readouterr().err
