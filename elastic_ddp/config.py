@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import json
 import math
+import os
 import sys
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -50,6 +51,19 @@ from elastic_ddp.errors import ConfigError
 
 Problems = list[tuple[str, str]]
 """(field name, what is wrong) pairs collected by a section's ``problems()``."""
+
+MAX_SECONDS = 1_000_000.0
+"""Upper bound of every duration setting (about 11.6 days): larger values are typos, and some
+(1e300) would overflow the timedelta a process group or a thread wait is given."""
+
+
+def _seconds_problem(value: float, *, zero_ok: bool, zero_means: str = "") -> str | None:
+    """What is wrong with a duration in seconds, or None."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        return f"must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}{f' ({zero_means})' if zero_means else ''}"
+    if value > MAX_SECONDS:
+        return f"must be at most {MAX_SECONDS:g} seconds"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,8 +175,11 @@ class CheckpointConfig:
                 found.append(("storage_options", "must be a JSON object"))
         if self.every < 0:
             found.append(("every", "must be >= 0"))
-        if self.every_seconds < 0 or not math.isfinite(self.every_seconds):
-            found.append(("every_seconds", "must be a finite number >= 0"))
+        if (what := _seconds_problem(self.every_seconds, zero_ok=True, zero_means="0: off")) is not None:
+            found.append(("every_seconds", what))
+        if not self.dir:
+            found += [(name, "needs --checkpoint-dir (no checkpoints are written without one)")
+                      for name in ("every", "every_seconds") if getattr(self, name)]
         if self.keep < 2:
             found.append(("keep", "must be >= 2 so that a corrupt newest checkpoint has a fallback"))
         return found
@@ -187,9 +204,8 @@ class DistConfig:
     def problems(self) -> Problems:
         found: Problems = []
         for name in ("init_timeout_s", "collective_timeout_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                found.append((name, "must be a finite number of seconds > 0"))
+            if (what := _seconds_problem(getattr(self, name), zero_ok=False)) is not None:
+                found.append((name, what))
         return found
 
 
@@ -223,16 +239,15 @@ class ResilienceConfig:
 
     def problems(self) -> Problems:
         found: Problems = []
-        for name in ("spot_poll_interval_s", "save_deadline_s"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                found.append((name, "must be a finite number of seconds > 0"))
-        if not (self.agreement_interval_s >= 0 and math.isfinite(self.agreement_interval_s)):
-            found.append(("agreement_interval_s", "must be a finite number of seconds >= 0 (0: every step)"))
-        for name in ("watchdog_timeout_s", "watchdog_checkpoint_timeout_s"):
-            value = getattr(self, name)
-            if value < 0 or not math.isfinite(value):
-                found.append((name, "must be a finite number of seconds >= 0 (0 disables)"))
+        durations = {
+            "spot_poll_interval_s": _seconds_problem(self.spot_poll_interval_s, zero_ok=False),
+            "save_deadline_s": _seconds_problem(self.save_deadline_s, zero_ok=False),
+            "agreement_interval_s": _seconds_problem(self.agreement_interval_s, zero_ok=True, zero_means="0: every step"),
+            "watchdog_timeout_s": _seconds_problem(self.watchdog_timeout_s, zero_ok=True, zero_means="0 disables"),
+            "watchdog_checkpoint_timeout_s": _seconds_problem(self.watchdog_checkpoint_timeout_s, zero_ok=True,
+                                                              zero_means="0 disables"),
+        }
+        found += [(name, what) for name, what in durations.items() if what is not None]
         if self.consistency_every < 0:
             found.append(("consistency_every", "must be >= 0"))
         url = self.spot_notice_url
@@ -262,6 +277,8 @@ class LogConfig:
             found.append(("every", "must be >= 1"))
         if self.per_rank_files and not self.dir:
             found.append(("per_rank_files", "needs --log-dir"))
+        if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
+            found.append(("dir", f"{self.dir} exists and is not a directory"))
         return found
 
 

@@ -25,6 +25,11 @@ pytestmark = pytest.mark.integration
         ("--optim-lr", "fast"),
         ("--checkpoint-keep", "1"),
         ("--dist-init-timeout-s", "0"),
+        ("--dist-collective-timeout-s", "1e300"),
+        ("--resilience-watchdog-timeout-s", "1e300"),
+        ("--checkpoint-every", "2"),
+        ("--checkpoint-every-seconds", "30"),
+        ("--optim-weight-decay", "inf"),
         ("--loader-num-workers", "-2"),
         ("--model-dropout", "1.5"),
         ("--resilience-spot-notice-url", "ftp://x"),
@@ -126,3 +131,13 @@ def test_unreachable_peers_fail_naming_rank_address_and_timeout() -> None:
     result = run([sys.executable, TRAIN, "--dist-init-timeout-s", "2", "--max-steps", "2"], timeout=60, env=env)
     assert result.returncode == 1
     assert f"rank 1: cannot reach the store at 127.0.0.1:{port} within --dist-init-timeout-s=2" in result.output
+
+
+def test_a_log_dir_that_is_a_file_exits_2_naming_the_flag(tmp_path: Path, capsys) -> None:
+    from elastic_ddp.config import config_from_args
+
+    afile = tmp_path / "file"
+    afile.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        config_from_args(["--log-dir", str(afile)], prog="train.py")
+    assert exit_info.value.code == 2 and f"--log-dir: {afile} exists and is not a directory" in capsys.readouterr().err

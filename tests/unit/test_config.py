@@ -44,7 +44,7 @@ def test_documented_flag_names_exist() -> None:
 
 def test_flags_override_a_config_file_which_overrides_defaults(tmp_path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('seed = 4\nmax_steps = 9\n[optim]\nlr = 0.5\n[checkpoint]\nevery = 2\n')
+    path.write_text('seed = 4\nmax_steps = 9\n[optim]\nlr = 0.5\n[checkpoint]\nevery = 2\ndir = "/tmp/c"\n')
     config = config_from_args(["--config", str(path), "--max-steps", "11"])
     assert (config.seed, config.max_steps, config.optim.lr, config.checkpoint.every) == (4, 11, 0.5, 2)
     assert config.global_batch_size == TrainConfig().global_batch_size
