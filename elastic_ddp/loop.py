@@ -99,7 +99,7 @@ class Checkpointer:
         )
         self.manager = CheckpointManager(
             uri, rank=rank, world_size=world_size, run_id=env.run_id, generation=env.restart_count, keep=keep,
-            storage_options=dict(storage_options or {}), group=_gloo_group(world_size, timeout_s, own=True),
+            storage_options=dict(storage_options or {}), group=_gloo_group(world_size, timeout_s, own=True), probe=True,
         )
         self.background = AsyncCheckpointer(self.manager) if async_save else None
         self.last_saved_step: int | None = None

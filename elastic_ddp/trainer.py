@@ -213,6 +213,7 @@ class Trainer:
             keep=self.config.checkpoint.keep,
             storage_options=storage_options(self.config.checkpoint),
             group=self.control_group,
+            probe=True,
         )
 
     def _make_gloo_group(self) -> dist.ProcessGroup | None:

@@ -48,6 +48,7 @@ from elastic_ddp.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointStorageError,
     NoValidCheckpointError,
 )
 
@@ -185,7 +186,11 @@ class CheckpointManager:
         storage: Storage | None = None,
         storage_options: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
+        probe: bool = False,
     ) -> None:
+        """``probe``: before anything else, rank 0 writes and removes a small file under ``uri``, and
+        every rank raises :class:`CheckpointStorageError` naming the URI if that failed (a path that is
+        a file, a read-only directory, a bucket that does not exist), instead of at the first save."""
         if keep < 2:
             raise CheckpointError(f"keep={keep}: at least 2 checkpoints must be kept so a corrupt one has a fallback")
         self.uri = uri
@@ -197,13 +202,29 @@ class CheckpointManager:
         self.keep = keep
         self.group = group
         self.stager = Stager()
-        self.token = self._shared_token()
+        self.token = self._shared_token(probe)
         self._retention: threading.Thread | None = None
 
-    def _shared_token(self) -> str:
-        token = [secrets.token_hex(6)]
-        self._broadcast_from_main(token)
-        return token[0]
+    def _shared_token(self, probe: bool) -> str:
+        """Rank 0's writer token for this launch, and the outcome of its write probe, on every rank."""
+        shared: list[Any] = [secrets.token_hex(6), None]
+        if probe and self.rank == 0:
+            shared[1] = self._probe_failure(shared[0])
+        self._broadcast_from_main(shared)
+        token, failure = shared
+        if failure is not None:
+            raise CheckpointStorageError(f"checkpoint location {self.uri} is not usable: {failure}")
+        return token
+
+    def _probe_failure(self, token: str) -> str | None:
+        """Why a small file cannot be written and removed under the root, or None when it can."""
+        path = self.storage.join(f".probe-{token}")
+        try:
+            self.storage.write(path, [b"elastic_ddp write probe\n"])
+            self.storage.remove(path)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
 
     # -- save --------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 import shutil
 import sys
 from pathlib import Path
@@ -141,3 +142,13 @@ def test_a_log_dir_that_is_a_file_exits_2_naming_the_flag(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as exit_info:
         config_from_args(["--log-dir", str(afile)], prog="train.py")
     assert exit_info.value.code == 2 and f"--log-dir: {afile} exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_checkpoint_dir_that_is_a_file_fails_before_the_first_step_naming_it(tmp_path: Path) -> None:
+    afile = tmp_path / "ckpt"
+    afile.write_text("not a directory")
+    started = time.monotonic()
+    result = train(["--max-steps", "5", "--checkpoint-dir", str(afile)])
+    assert time.monotonic() - started < 10
+    assert result.returncode == 1 and "Traceback" not in result.output
+    assert f"checkpoint location {afile} is not usable" in result.output and "loss " not in result.output

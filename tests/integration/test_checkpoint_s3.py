@@ -113,3 +113,13 @@ def test_resume_from_s3_on_three_ranks_keeps_data_exact_and_weights_close(
     ours, theirs = load_model_state(resumed["uri"]), load_model_state(reference["uri"])
     for name, tensor in theirs.items():
         assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
+
+
+def test_a_bucket_that_does_not_exist_fails_before_the_first_step_naming_the_uri(s3_server_module: S3Endpoint) -> None:
+    from tests.jobs import train
+
+    uri = "s3://no-such-bucket-elastic-ddp/run"
+    result = train(["--max-steps", "5", "--checkpoint-dir", uri], timeout=60)
+    assert result.returncode != 0
+    assert f"checkpoint location {uri} is not usable" in result.output
+    assert "starting fresh" not in result.output and "loss " not in result.output
