@@ -152,9 +152,11 @@ class CheckpointConfig:
     keep: int = 3
     """Committed checkpoints to keep (newest first); at least 2 so a corrupt newest one has a fallback."""
     resume: bool = True
-    """Resume from the newest valid checkpoint under --checkpoint-dir when there is one."""
+    """Resume from the newest valid checkpoint under --checkpoint-dir when there is one. Off: start at
+    step 0, and refuse a --checkpoint-dir that already holds committed checkpoints."""
     allow_fresh_start: bool = False
-    """When checkpoints exist but none verifies, start from step 0 instead of stopping with an error."""
+    """When checkpoints exist but none verifies, start from step 0 instead of stopping with an error
+    (the damaged ones are un-committed first, kept as manifest.rejected.json)."""
     save_final: bool = True
     """Commit a checkpoint when the run reaches --max-steps or --max-epochs."""
     async_save: bool = True

@@ -255,6 +255,8 @@ class Trainer:
         restored = None
         if self.checkpoints is not None and self.config.checkpoint.resume:
             restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start)
+        elif self.checkpoints is not None:
+            self.checkpoints.refuse_if_committed()
         if restored is None:
             seed_rng_streams(derive_rng_seed(self.config.seed, 0, self.context.rank))
             self.log0.info("starting fresh at step 0 (world size %d)", self.context.world_size)

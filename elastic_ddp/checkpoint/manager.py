@@ -395,7 +395,7 @@ class CheckpointManager:
         choice: list[Any] = [None, None]
         preloaded: dict[str, Any] = {}
         if self.rank == 0:
-            choice, preloaded = self._choose_on_main()
+            choice, preloaded = self._choose_on_main(allow_fresh_start)
         self._broadcast_from_main(choice)
         step, problem = choice
         if step is None:
@@ -421,8 +421,12 @@ class CheckpointManager:
         state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
-    def _choose_on_main(self) -> tuple[list[Any], dict[str, Any]]:
-        """Rank 0: the newest checkpoint that verifies, and its own files already decoded (read once)."""
+    def _choose_on_main(self, allow_fresh_start: bool) -> tuple[list[Any], dict[str, Any]]:
+        """Rank 0: the newest checkpoint that verifies, and its own files already decoded (read once).
+
+        Checkpoints newer than the chosen one that do not verify are un-committed, and so are all of
+        them when none verifies and a fresh start is allowed: a fresh run commits steps 1, 2, ...
+        again, and committed but damaged higher steps would make retention delete each new commit."""
         rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.list():
             if not info.manifest_present:
@@ -441,7 +445,23 @@ class CheckpointManager:
                 for bad, reason in rejected:
                     self._uncommit(bad, reason)
             return [info.step, None], decoded
+        if rejected and allow_fresh_start:
+            for bad, reason in rejected:
+                self._uncommit(bad, reason)
         return [None, "; ".join(reason for _, reason in rejected) or None], {}
+
+    def refuse_if_committed(self) -> None:
+        """Raise on every rank when the root already holds a committed checkpoint (for a run told not to
+        resume: its own commits would collide with those steps, and retention would count them)."""
+        newest: list[Any] = [None]
+        if self.rank == 0:
+            newest[0] = next((info.step for info in self.list() if info.committed), None)
+        self._broadcast_from_main(newest)
+        if newest[0] is not None:
+            raise CheckpointError(
+                f"--no-checkpoint-resume: {self.uri} already holds committed checkpoints (newest: step {newest[0]}); "
+                "a run that does not resume needs an empty --checkpoint-dir: move them or choose another directory"
+            )
 
     def _manifest_path(self, step: int) -> str:
         return self.storage.join(step_dir_name(step), MANIFEST_NAME)

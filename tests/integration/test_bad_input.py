@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import shutil
 import sys
@@ -152,3 +153,30 @@ def test_a_checkpoint_dir_that_is_a_file_fails_before_the_first_step_naming_it(t
     assert time.monotonic() - started < 10
     assert result.returncode == 1 and "Traceback" not in result.output
     assert f"checkpoint location {afile} is not usable" in result.output and "loss " not in result.output
+
+
+def test_a_fresh_start_over_damaged_checkpoints_keeps_every_new_checkpoint(tmp_path: Path) -> None:
+    """Before: the damaged steps 10-30 stayed committed, retention removed each new checkpoint right
+    after its commit, and `latest` pointed at a deleted step."""
+    from tests.jobs import inspect, run
+
+    ckpt = tmp_path / "ckpt"
+    train_ok(["--max-steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"])
+    for path in ckpt.glob("step-*/replicated-*.eddp"):
+        os.truncate(path, 100)
+    train_ok(["--max-steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--checkpoint-allow-fresh-start"])
+    listing = run([sys.executable, "-m", "elastic_ddp.cli", "ckpt", "ls", str(ckpt)], timeout=60).output
+    valid = sorted(int(line.split()[0]) for line in listing.splitlines()[1:] if line.rstrip().endswith("yes"))
+    assert valid == [3, 6, 9], listing
+    assert (ckpt / "latest").read_text() == "step-00000009" and inspect(str(ckpt))["step"] == 9
+    assert all((ckpt / f"step-{step:08d}" / "manifest.rejected.json").exists() for step in (10, 20, 30))
+
+
+def test_a_run_that_does_not_resume_refuses_a_directory_with_committed_checkpoints(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    train_ok(["--max-steps", "6", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"])
+    before = _tree_digest(ckpt)
+    result = train(["--max-steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--no-checkpoint-resume"])
+    assert result.returncode == 1 and "Traceback" not in result.output
+    assert f"--no-checkpoint-resume: {ckpt} already holds committed checkpoints (newest: step 6)" in result.output
+    assert _tree_digest(ckpt) == before
