@@ -31,6 +31,9 @@ echoed.
                             the round; each then restarts its workers and re-joins.
 ``timeout``                 added by torchrun to every backend's config; the dynamic
                             handler does not read it (use ``join_timeout``).
+``protocol``                ``http`` or ``https``, as torch's own etcd backends take it
+                            (a command line written for them works unchanged);
+                            ``https`` turns on TLS like ``https://`` endpoints do.
 ==========================  ===========================================================
 """
 
@@ -66,7 +69,8 @@ _TORCH_DEFAULTS = {
 }
 _OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "cacert", "cert", "key", "user", "password")
 _LAUNCHER_KEYS = ("timeout",)
-KNOWN_KEYS = frozenset(_OWN_KEYS) | frozenset(_TORCH_DEFAULTS) | frozenset(_LAUNCHER_KEYS)
+_TORCH_ETCD_KEYS = ("protocol",)
+KNOWN_KEYS = frozenset(_OWN_KEYS) | frozenset(_TORCH_DEFAULTS) | frozenset(_LAUNCHER_KEYS) | frozenset(_TORCH_ETCD_KEYS)
 _UNSIGNED_INT = re.compile(r"^\s*\d+\s*$")
 
 
@@ -150,6 +154,7 @@ class EtcdRendezvousSettings:
         """
         issues: list[str] = []
         endpoints, use_tls = parse_endpoints(endpoint, issues)
+        use_tls = _protocol(config, endpoint, use_tls, issues)
         _check_run_id(run_id, issues)
         _check_unknown_keys(config, issues)
         ints = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
@@ -193,8 +198,23 @@ def parse_endpoints(endpoint: str, issues: list[str]) -> tuple[tuple[str, ...], 
     return tuple(target for target, _ in parsed if target), schemes == {"https"}
 
 
+def _protocol(config: Mapping[str, Any], endpoint: str, use_tls: bool, issues: list[str]) -> bool:
+    """Whether to use TLS, given torch's ``protocol`` key (if any) beside the endpoints' schemes."""
+    if "protocol" not in config:
+        return use_tls
+    protocol = str(config["protocol"]).strip().lower()
+    if protocol not in ("http", "https"):
+        issues.append("--rdzv-conf protocol=%r must be http or https" % config["protocol"])
+        return use_tls
+    schemes = {entry.rpartition("://")[0].strip().lower() for entry in (endpoint or "").split(",") if "://" in entry}
+    if schemes - {protocol}:
+        issues.append("--rdzv-conf protocol=%s contradicts the scheme of --rdzv-endpoint=%s" % (protocol, endpoint))
+    return protocol == "https"
+
+
 def _parse_endpoint(entry: str, issues: list[str]) -> tuple[str, str]:
     scheme, _, rest = entry.rpartition("://")
+    scheme = scheme.lower()  # URL schemes are case-insensitive (and torch's etcd backends lowercase them)
     if scheme not in ("", "http", "https"):
         issues.append("--rdzv-endpoint entry %r: scheme must be http:// or https://" % entry)
         return "", scheme

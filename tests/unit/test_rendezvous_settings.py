@@ -136,3 +136,23 @@ def test_create_backend_validates_before_connecting() -> None:
     params = RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, join_timeout="abc")
     with pytest.raises(EtcdConfigError, match="join_timeout='abc'"):
         create_backend(params)
+
+
+def test_endpoint_schemes_are_case_insensitive() -> None:
+    assert settings("hTTp://h1:2379").endpoints == ("h1:2379",)
+    assert settings("HTTPS://h1:2379").client_options().secure
+
+
+def test_torchs_protocol_key_is_accepted_and_https_turns_on_tls() -> None:
+    assert not settings("h1:2379", protocol="http").client_options().secure
+    assert settings("h1:2379", protocol="HTTPS").client_options().secure
+    assert settings("https://h1:2379", protocol="https").client_options().secure
+
+
+@pytest.mark.parametrize(("endpoint", "protocol", "named"), [
+    ("h1:2379", "ftp", "protocol='ftp' must be http or https"),
+    ("https://h1:2379", "http", "contradicts the scheme"),
+])
+def test_a_bad_or_contradicting_protocol_is_refused(endpoint: str, protocol: str, named: str) -> None:
+    with pytest.raises(EtcdConfigError, match=named):
+        settings(endpoint, protocol=protocol)
