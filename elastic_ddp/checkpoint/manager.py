@@ -418,7 +418,13 @@ class CheckpointManager:
         if reuse_rank_state:
             name = manifest.rank_file(self.rank)
             rank_local = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
-        state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
+        try:
+            state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            # the files verified, so they are what was written: written by something else than this state
+            raise CheckpointCorruptError(
+                f"{info.path}: its files verify but do not hold a state this run can load ({type(exc).__name__}: {exc})"
+            ) from exc
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
     def _choose_on_main(self, allow_fresh_start: bool) -> tuple[list[Any], dict[str, Any]]:

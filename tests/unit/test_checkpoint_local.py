@@ -252,3 +252,21 @@ def test_any_optimizer_is_sharded_with_its_class_defaults_and_param_groups(make)
                [{k: v for k, v in g.items() if k != "params"} for g in plain.param_groups]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("content", [[1, 2, 3], {"model": [1, 2]}, {"model": {}, "optimizer": {"state": 3}}])
+def test_a_file_with_a_valid_hash_but_the_wrong_structure_is_one_error_naming_the_checkpoint(tmp_path: Path, content) -> None:
+    import hashlib
+
+    from elastic_ddp.checkpoint.format import encode_chunks, flatten
+
+    state = make_state()
+    advance(state)
+    saved = manager(tmp_path).save(state)
+    path = tmp_path / "step-00000001" / saved.replicated_file
+    path.write_bytes(b"".join(bytes(chunk) for chunk in encode_chunks(flatten(content))))
+    body = json.loads((tmp_path / "step-00000001" / MANIFEST_NAME).read_text())
+    body["files"][saved.replicated_file] = {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    (tmp_path / "step-00000001" / MANIFEST_NAME).write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=r"step(-0000000| )1"):  # one error naming the step, not a KeyError
+        manager(tmp_path).restore(make_state())
