@@ -170,8 +170,8 @@ class EtcdClient(Protocol):
     def lease_refresh(self, lease_id: int) -> int:
         """Restart the lease's TTL; returns the TTL in seconds, 0 if the lease is gone."""
 
-    def status(self) -> MemberStatus:
-        """Status of the member that answers."""
+    def status(self, timeout: float | None = None) -> MemberStatus:
+        """Status of the member that answers (within ``timeout`` seconds, default the operation deadline)."""
 
     def close(self) -> None:
         """Release connections."""
@@ -303,10 +303,10 @@ class GrpcEtcdClient:
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         return self._call("lease_refresh", lambda ch, t, md: _keep_alive_once(ch, request, t, md))
 
-    def status(self) -> MemberStatus:
+    def status(self, timeout: float | None = None) -> MemberStatus:
         """See :class:`EtcdClient`."""
         rpc = _unary_rpc(etcdrpc.MaintenanceStub, "Status", etcdrpc.StatusRequest())
-        response, endpoint = self._call_on_any("status", rpc)
+        response, endpoint = self._call_on_any("status", rpc, timeout)
         return MemberStatus(
             endpoint=endpoint,
             version=response.version,

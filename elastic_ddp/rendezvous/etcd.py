@@ -71,6 +71,7 @@ import weakref
 import zlib
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.events.handlers import get_logging_handler
@@ -88,7 +89,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
-from elastic_ddp.rendezvous.errors import EtcdStateError
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EtcdStore
@@ -372,7 +373,8 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     Raises:
         EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
-    return _backend_and_store(_settings(params))
+    settings = _settings(params)
+    return _backend_and_store(settings, GrpcEtcdClient(settings.client_options()))
 
 
 def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
@@ -385,8 +387,7 @@ def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
     return settings
 
 
-def _backend_and_store(settings: EtcdRendezvousSettings) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    client = GrpcEtcdClient(settings.client_options())
+def _backend_and_store(settings: EtcdRendezvousSettings, client: EtcdClient) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     leases = LeaseKeeper(client, settings.ttl)
     backend = EtcdRendezvousBackend(client, settings.run_prefix + "state", leases)
     store = EtcdStore(client, settings.run_prefix + "store/", leases, timedelta(seconds=settings.read_timeout))
@@ -401,14 +402,51 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     Raises:
         EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
+    report_own_errors_in_one_line()
     settings = _settings(params)
-    backend, store = _backend_and_store(settings)
+    client = GrpcEtcdClient(settings.client_options())
+    _first_contact(client, settings)
+    backend, store = _backend_and_store(settings, client)
     use_fresh_worker_store()
     return EtcdRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
+
+
+def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None:
+    """Fail within ``connect_timeout`` when no etcd member answers at all: a wrong endpoint or a
+    closed port is a start-up error, not ``read_timeout`` of silence in the first join."""
+    try:
+        status = client.status(timeout=settings.connect_timeout)
+    except EtcdConnectionError as exc:
+        raise EtcdConnectionError(
+            f"etcd-v3: no etcd member answered at {','.join(settings.endpoints)} within {settings.connect_timeout} s "
+            f"(--rdzv-conf connect_timeout): {exc}"
+        ) from exc
+    logger.info("etcd-v3: etcd %s answered at %s", status.version, status.endpoint)
+
+
+def report_own_errors_in_one_line() -> None:
+    """In torchrun's process, print an uncaught rendezvous error of this package as one line.
+
+    torchrun lets an exception from creating the handler reach the interpreter, which prints the
+    whole traceback; these errors name what is wrong and what to do in their message. Any other
+    exception keeps the interpreter's report."""
+    previous = sys.excepthook
+    if getattr(previous, "_elastic_ddp_one_line", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if isinstance(value, EtcdRendezvousError):
+            sys.stderr.write(f"torchrun: error: {value}\n")
+            sys.stderr.flush()
+            return
+        previous(kind, value, traceback)
+
+    hook._elastic_ddp_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def use_fresh_worker_store() -> None:

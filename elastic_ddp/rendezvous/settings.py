@@ -31,6 +31,10 @@ echoed.
                             the round; each then restarts its workers and re-joins.
 ``timeout``                 added by torchrun to every backend's config; the dynamic
                             handler does not read it (use ``join_timeout``).
+``connect_timeout``         seconds an agent waits at start-up for the first answer of
+                            any etcd member (default 5): with none it fails in one line
+                            naming the endpoints, instead of after ``read_timeout``. An
+                            outage after that first contact is ridden out as before.
 ``protocol``                ``http`` or ``https``, as torch's own etcd backends take it
                             (a command line written for them works unchanged);
                             ``https`` turns on TLS like ``https://`` endpoints do.
@@ -56,6 +60,7 @@ DEFAULT_PORT = 2379
 DEFAULT_KEY_PREFIX = "/elastic_ddp/rdzv/"
 DEFAULT_TTL_S = 7200
 DEFAULT_READ_TIMEOUT_S = 60
+DEFAULT_CONNECT_TIMEOUT_S = 5
 
 # torch's defaults (dynamic_rendezvous.RendezvousTimeout, create_handler); used only
 # to check relations between settings the user did not all give.
@@ -67,7 +72,7 @@ _TORCH_DEFAULTS = {
     "keep_alive_interval": 5,
     "keep_alive_max_attempt": 3,
 }
-_OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "cacert", "cert", "key", "user", "password")
+_OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "connect_timeout", "cacert", "cert", "key", "user", "password")
 _LAUNCHER_KEYS = ("timeout",)
 _TORCH_ETCD_KEYS = ("protocol",)
 KNOWN_KEYS = frozenset(_OWN_KEYS) | frozenset(_TORCH_DEFAULTS) | frozenset(_LAUNCHER_KEYS) | frozenset(_TORCH_ETCD_KEYS)
@@ -86,6 +91,9 @@ class EtcdRendezvousSettings:
     """Prefix of all keys, ending in ``/``."""
     ttl: int = DEFAULT_TTL_S
     """Seconds the state and store keys live after their lease was last refreshed."""
+    connect_timeout: int = DEFAULT_CONNECT_TIMEOUT_S
+    """Seconds an agent waits at start-up for the first answer of any etcd member; without one it
+    fails with :class:`EtcdConnectionError` naming the endpoints."""
     read_timeout: int = DEFAULT_READ_TIMEOUT_S
     """Deadline in seconds of one etcd operation across all endpoints; also the agent store's timeout.
     When it expires the operation raises ``RendezvousConnectionError`` (store: ``DistStoreError``).
@@ -159,6 +167,7 @@ class EtcdRendezvousSettings:
         _check_unknown_keys(config, issues)
         ints = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
         ttl = _positive_int(config, "ttl", DEFAULT_TTL_S, issues)
+        connect_timeout = _positive_int(config, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, issues)
         read_timeout = _read_timeout(config, ints["join_timeout"], issues)
         _check_ttl(config, ttl, ints, issues)
         tls = _tls_files(config, issues)
@@ -173,6 +182,7 @@ class EtcdRendezvousSettings:
             run_id=run_id,
             key_prefix=key_prefix,
             ttl=ttl,
+            connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             use_tls=use_tls,
             user=user,

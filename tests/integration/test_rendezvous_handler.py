@@ -37,6 +37,12 @@ def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _keep_excepthook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler makes torchrun's process print this package's errors in one line; not pytest's."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+
+
 def params(endpoint: str, run_id: str, nodes: int, **conf: str) -> RendezvousParameters:
     conf.setdefault("last_call_timeout", "1")
     return RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, local_addr="127.0.0.1", **conf)
@@ -126,6 +132,29 @@ def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server
     with pytest.raises(RendezvousConnectionError, match=etcd_server.endpoint):
         handler.next_rendezvous()
     assert time.monotonic() - start < 10
+
+
+def test_torchrun_with_no_etcd_at_the_endpoint_fails_within_15_s_in_one_line_naming_it(tmp_path: Path) -> None:
+    """Before: two minutes and more of silence (the first join waited read_timeout, then retried)."""
+    from chaos.cluster import free_port
+
+    endpoint = "127.0.0.1:%d" % free_port()
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=etcd-v3",
+         "--rdzv-endpoint=%s" % endpoint, "--rdzv-id=closed", str(REPO / "examples" / "train.py"), "--max-steps", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert time.monotonic() - started < 15
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, lines
+    assert lines[0].startswith("torchrun: error: etcd-v3: no etcd member answered at %s" % endpoint)
+
+
+def test_a_first_contact_within_connect_timeout_is_enough(etcd_server: EtcdServer) -> None:
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, "contact", 1, connect_timeout="1"))
+    assert isinstance(handler, DynamicRendezvousHandler)
+    handler.shutdown()
 
 
 def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool) -> subprocess.Popen[bytes]:

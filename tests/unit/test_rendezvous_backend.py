@@ -277,8 +277,16 @@ def test_dynamic_handler_over_the_fake_gives_distinct_ranks(client: FakeEtcdClie
 
 @pytest.fixture
 def no_store_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """An agent environment that does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE (restored afterwards)."""
+    """An agent environment that does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE (restored afterwards),
+    with the handler's first contact with etcd answered (these tests have no etcd) and the interpreter's
+    excepthook, which the handler replaces in torchrun's process, restored."""
+    import sys
+
+    from elastic_ddp.rendezvous import etcd
+
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(etcd, "_first_contact", lambda client, settings: None)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     return monkeypatch
 
 
