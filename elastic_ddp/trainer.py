@@ -41,7 +41,7 @@ from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan
 from elastic_ddp.distributed import DistContext
-from elastic_ddp.errors import DataError
+from elastic_ddp.errors import CheckpointError, DataError
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
 from elastic_ddp.resilience.agreement import StopAgreement
@@ -344,8 +344,19 @@ class Trainer:
         """The decision all ranks share at this step boundary: stop now (and why), and is a time-based save due."""
         every_s = self.config.checkpoint.every_seconds
         time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        decision = self.agreement.after_step(self.state.counters.step, step_time, time_due)
+        failed = self.async_checkpoints is not None and self.async_checkpoints.failed()
+        decision = self.agreement.after_step(self.state.counters.step, step_time, time_due, failed)
+        if decision.save_failed:
+            self._raise_agreed_save_failure()
         return decision.stop, decision.save_due
+
+    def _raise_agreed_save_failure(self) -> None:
+        """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
+        own outcome if it is still in flight)."""
+        assert self.async_checkpoints is not None
+        self.watchdog.enter("checkpoint")
+        self.async_checkpoints.wait()  # raises the failure, which every rank's committer learned
+        raise CheckpointError(f"rank {self.context.rank}: a background checkpoint save failed on another rank")
 
     def _periodic_checks(self, save_due: bool) -> None:
         step = self.state.counters.step
@@ -356,8 +367,6 @@ class Trainer:
             self.watchdog.enter("collective")
             # not the control group: a background save's commit uses that one from its own thread
             check_consistency(self.model, step, self.agreement_group)
-        if self.async_checkpoints is not None:
-            self.async_checkpoints.poll()
         every = self.config.checkpoint.every
         if self.checkpoints is not None and (save_due or (every and step % every == 0)):
             self.watchdog.enter("checkpoint")

@@ -113,6 +113,11 @@ class AsyncCheckpointer:
         if self._in_flight is not None and self._in_flight.done():
             self._collect()
 
+    def failed(self) -> bool:
+        """Whether the save in flight has finished with an error (without raising it: the trainer first
+        agrees on it with the other ranks, so that all of them stop at the same step)."""
+        return self._in_flight is not None and self._in_flight.done() and self._in_flight.exception() is not None
+
     def wait(self) -> float:
         """Block until the save in flight (if any) is committed; returns the seconds waited; raises its error."""
         if self._in_flight is None:

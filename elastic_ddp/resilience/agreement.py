@@ -3,7 +3,8 @@
 A stop request (SIGTERM, a spot notice) reaches one rank, or some, at any moment. If each rank
 acted on its own, one would leave the next gradient all-reduce while the others wait in it. So
 the ranks agree: at the end of a step every rank contributes (was I asked to stop, is my save
-clock due, how many steps until the next agreement would I like) to one tiny MAX all-reduce, and
+clock due, has my background save failed, how many steps until the next agreement would I like)
+to one tiny MAX all-reduce, and
 all of them act on the result at the same step. The all-reduce is started at the end of one step
 and read at the end of the next, so it overlaps that step's compute instead of adding a
 synchronisation point; with steps shorter than the interval it runs every few steps, at steps
@@ -48,13 +49,15 @@ class Decision:
     """None: go on. "preempted": this rank was asked to stop; "peer-lost": another rank was."""
     save_due: bool = False
     """Some rank's time-based save clock ran out: every rank saves at this step."""
+    save_failed: bool = False
+    """Some rank's background save failed: every rank reports it and stops at this step."""
 
 
-def decide(stop_any: bool, save_any: bool, asked_here: bool) -> Decision:
+def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False) -> Decision:
     """The decision from the agreed flags (pure)."""
     if not stop_any:
-        return Decision(None, save_any)
-    return Decision("preempted" if asked_here else "peer-lost", save_any)
+        return Decision(None, save_any, failed_any)
+    return Decision("preempted" if asked_here else "peer-lost", save_any, failed_any)
 
 
 class PhaseMarker(Protocol):
@@ -95,19 +98,20 @@ class StopAgreement:
         """What asked this rank to stop (signal:SIGTERM, spot-notice), if anything did."""
         return self.requests.reason
 
-    def after_step(self, step: int, step_time: float, save_due: bool = False) -> Decision:
-        """Call at the end of every step on every rank, with the same ``step``; act on the decision at once."""
+    def after_step(self, step: int, step_time: float, save_due: bool = False, save_failed: bool = False) -> Decision:
+        """Call at the end of every step on every rank, with the same ``step``; act on the decision at once.
+        ``save_failed``: this rank's background save has failed (the decision then says so on every rank)."""
         if self.world_size == 1:
-            return decide(self.requests.requested, save_due, self.requests.requested)
+            return decide(self.requests.requested, save_due, self.requests.requested, save_failed)
         decision = Decision()
         pending, self._pending = self._pending, None
         if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
             flags = self._wait_for(pending)
-            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested)
-            self._next = step - int(flags[2]) - 1
+            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested, bool(flags[2]))
+            self._next = step - int(flags[3]) - 1
         if step >= self._next:
             steps = agreement_interval(step_time, self.interval_s)
-            flags = torch.tensor([self.requests.requested, save_due, -steps], dtype=torch.int32)
+            flags = torch.tensor([self.requests.requested, save_due, save_failed, -steps], dtype=torch.int32)
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (flags, work)
         return decision

@@ -42,3 +42,22 @@ def test_s3_outage_during_async_save_stops_every_rank_and_keeps_the_previous_che
     assert output.count("exit: reason=error status=1") == 2
     facts = inspect(s3_server.uri)  # the newest committed checkpoint still verifies
     assert facts["step"] % 20 == 0 and facts["step"] >= 40
+
+
+def test_a_background_save_failing_on_one_rank_stops_every_rank_at_the_same_step(tmp_path) -> None:
+    """Rank 1's files of step 100 cannot be written. Before, each rank raised the failure at whichever step
+    it happened to look, and the other waited in the next all-reduce until the collective timeout."""
+    from tests.jobs import REPO, run
+
+    script = str(REPO / "tests" / "fixtures" / "failing_save_train.py")
+    result = run(TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", script, *BASE_ARGS,
+                             "--max-steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50",
+                             "--dist-collective-timeout-s", "60", "--log-progress", "off", "--log-every", "10"],
+                 timeout=120, env={"FAIL_SAVE_STEP": "100"})
+    assert result.returncode != 0
+    errors = [line for line in result.output.splitlines() if "ERROR" in line and "elastic_ddp.entry" in line]
+    stopped = {line.split("/", 2)[1].split("]")[0] for line in errors}  # "[run/RANK STEP]" -> "RANK STEP"
+    assert {entry.split()[0] for entry in stopped} == {"0", "1"}, result.output[-3000:]
+    assert len({entry.split()[1] for entry in stopped}) == 1, stopped  # the same step on both ranks
+    assert all("step 100" in line and "No space left on device" in line for line in errors), errors
+    assert inspect(str(tmp_path / "ckpt"))["step"] == 50
