@@ -3,7 +3,8 @@
 :func:`build_report` is pure (facts and checks in, a JSON-ready dict out); :func:`write_report`
 writes ``report.json``, ``report.md`` and, when ``matplotlib`` can be imported, ``timeline.png``
 (steps per second and world size over time, faults marked, recovery intervals shaded). matplotlib
-is not a dependency of the project: without it the report says so and has no PNG.
+comes with the ``chaos`` extra (``pip install elastic-ddp[chaos]``; scripts/setup.sh installs it):
+without it the report says so and has no PNG.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from chaos.verify import Check, RunFacts, all_fault_metrics, attempt_starts, fac
 
 logger = logging.getLogger(__name__)
 
-NO_MATPLOTLIB = "matplotlib is not installed: no timeline PNG (pip install matplotlib to get one)"
+NO_MATPLOTLIB = "matplotlib is not installed: no timeline PNG (pip install 'elastic-ddp[chaos]' to get one)"
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,7 @@ def timeline_png(report: dict[str, Any], facts: RunFacts, path: Path) -> tuple[P
     world_axis.step(times, [step.world_size for step in facts.steps], where="post", color="tab:green")
     world_axis.set_ylabel("world size")
     world_axis.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    world_axis.set_ylim(0, max((step.world_size for step in facts.steps), default=1) + 0.5)  # whole ranks from 0
     world_axis.set_xlabel("seconds since the first node started")
     for fault in report["faults"]:
         _mark_fault(rate_axis, world_axis, fault)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install elastic_ddp with its test extra.
+# Create .venv and install elastic_ddp with its test and chaos extras.
 # torch==2.13.0 is installed first, on its own, so that pip takes the CPU build from the local
 # wheel directory instead of resolving `torch>=2.4` to a multi-GB CUDA build.
 set -euo pipefail
@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==${ELASTIC_DDP_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,chaos]"
 .venv/bin/python - <<'PY'
 import torch, fsspec, pyetcd  # noqa: F401  - fail here, not in the first test, if an install is broken
 import elastic_ddp

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 
 from chaos.report import build_report, markdown, write_report
@@ -35,12 +36,16 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run(scenario: Scenario, tmp_path: Path, cache_dir: Path) -> tuple[RunFacts, list[Check], str]:
-    """Run a scenario; its facts, checks and the Markdown report (also written to tmp_path/report)."""
+    """Run a scenario; its facts, checks and the Markdown report (also written to tmp_path/report, with
+    its timeline PNG: matplotlib comes with the chaos extra that scripts/setup.sh installs)."""
     progress = io.StringIO()
     facts = run_scenario(scenario, RunOptions(workdir=tmp_path / "work", cache_dir=cache_dir, progress=progress))
     checks = run_checks(facts)
     report = build_report(scenario, facts, checks)
-    write_report(report, facts, tmp_path / "report")
+    files = write_report(report, facts, tmp_path / "report")
+    assert files.png is not None, files.png_note
+    image = plt.imread(files.png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, image.shape
     return facts, checks, markdown(report)
 
 
