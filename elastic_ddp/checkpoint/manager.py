@@ -263,18 +263,22 @@ class CheckpointManager:
             records, error = self._write_own_files(staged, directory)
         reports = self._gather_to_main((records, error))
         outcome: list[Any] = [None, None, False]  # manifest, failure, lost the create-only race
+        cause: BaseException | None = None  # rank 0's own exception, kept as the cause of what it raises
         if self.rank == 0:
             try:
                 outcome[0] = self._commit(staged, directory, reports)
             except CheckpointConflictError as exc:
-                outcome[1:] = [str(exc), True]
+                outcome[1:], cause = [str(exc), True], exc
+            except CheckpointError as exc:
+                outcome[1], cause = str(exc), exc
             except Exception as exc:  # noqa: BLE001 - every rank waits for this outcome; a bug must reach them too
-                outcome[1] = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+                logger.exception("committing the checkpoint of step %d failed unexpectedly", staged.step)
+                outcome[1], cause = f"{type(exc).__name__}: {exc}", exc
         self._broadcast_from_main(outcome)
         manifest, failure, conflict = outcome
         if failure is not None:
             error = CheckpointConflictError if conflict else CheckpointError
-            raise error(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}")
+            raise error(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}") from cause
         return manifest
 
     def _write_own_files(self, staged: Staged, directory: str) -> tuple[dict[str, FileRecord], str | None]:

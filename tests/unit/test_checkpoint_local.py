@@ -270,3 +270,19 @@ def test_a_file_with_a_valid_hash_but_the_wrong_structure_is_one_error_naming_th
     (tmp_path / "step-00000001" / MANIFEST_NAME).write_text(json.dumps(body))
     with pytest.raises(CheckpointError, match=r"step(-0000000| )1"):  # one error naming the step, not a KeyError
         manager(tmp_path).restore(make_state())
+
+
+def test_an_unexpected_error_in_the_commit_keeps_its_traceback(tmp_path: Path, caplog) -> None:
+    m = manager(tmp_path)
+
+    def broken_create(path: str, data: bytes) -> None:
+        raise RuntimeError("a bug in the storage layer")
+
+    m.storage.create = broken_create  # type: ignore[method-assign]
+    state = make_state()
+    advance(state)
+    with pytest.raises(CheckpointError, match="RuntimeError: a bug in the storage layer") as raised:
+        m.save(state)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    logged = [record for record in caplog.records if record.exc_info and "failed unexpectedly" in record.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info[0] is RuntimeError
