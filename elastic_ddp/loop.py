@@ -38,7 +38,7 @@ from elastic_ddp.distributed import LaunchEnv
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.exits import leave_job, log_exit
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
-from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import Stateful, TrainState, model_digest
 
 __all__ = ["Checkpointer", "Decision", "ElasticSampler", "StepGuard", "exit_status", "model_digest"]
@@ -176,13 +176,13 @@ class StepGuard:
             SpotNoticePoller(spot_notice_url, spot_poll_interval_s, self.requests).start() if spot_notice_url else None
         )
         limit = PhaseLimit(hang_timeout_s, "hang")
-        self.watchdog = Watchdog({"step": limit, "collective": limit}).start()
+        self.watchdog = Watchdog({Phase.STEP: limit, Phase.COLLECTIVE: limit}).start()
         self.agreement = StopAgreement(
             world_size=world_size, requests=self.requests, group=_gloo_group(world_size, timeout_s, own=False),
             interval_s=agreement_interval_s, watchdog=self.watchdog,
         )
         self._step_started = time.perf_counter()
-        self.watchdog.enter("step")
+        self.watchdog.enter(Phase.STEP)
 
     def after_step(self, step: int, save_due: bool = False) -> Decision:
         """Call at the end of every step, on every rank, with the same step count. ``Decision.stop`` set:
@@ -190,7 +190,7 @@ class StepGuard:
         now = time.perf_counter()
         decision = self.agreement.after_step(step, now - self._step_started, save_due)
         self._step_started = time.perf_counter()
-        self.watchdog.enter("step")
+        self.watchdog.enter(Phase.STEP)
         return decision
 
     @property

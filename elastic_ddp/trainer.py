@@ -47,7 +47,7 @@ from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
 from elastic_ddp.resilience.agreement import StopAgreement
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
-from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, seed_rng_streams
 
 logger = logging.getLogger(__name__)
@@ -237,12 +237,12 @@ class Trainer:
         log = self.config.log
         self.watchdog = Watchdog(
             {
-                "data": step_limit,
-                "step": step_limit,
-                "collective": step_limit,
-                "eval": step_limit,
-                "checkpoint": PhaseLimit(resilience.watchdog_checkpoint_timeout_s, "hang"),
-                "emergency-save": PhaseLimit(resilience.save_deadline_s, "save-deadline"),
+                Phase.DATA: step_limit,
+                Phase.STEP: step_limit,
+                Phase.COLLECTIVE: step_limit,
+                Phase.EVAL: step_limit,
+                Phase.CHECKPOINT: PhaseLimit(resilience.watchdog_checkpoint_timeout_s, "hang"),
+                Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, "save-deadline"),
             },
             log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
         ).start()
@@ -354,24 +354,24 @@ class Trainer:
         """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
         own outcome if it is still in flight)."""
         assert self.async_checkpoints is not None
-        self.watchdog.enter("checkpoint")
+        self.watchdog.enter(Phase.CHECKPOINT)
         self.async_checkpoints.wait()  # raises the failure, which every rank's committer learned
         raise CheckpointError(f"rank {self.context.rank}: a background checkpoint save failed on another rank")
 
     def _periodic_checks(self, save_due: bool) -> None:
         step = self.state.counters.step
         if self.config.eval_every and step % self.config.eval_every == 0:
-            self.watchdog.enter("eval")
+            self.watchdog.enter(Phase.EVAL)
             self.evaluate()
         if self.config.resilience.consistency_every and step % self.config.resilience.consistency_every == 0:
-            self.watchdog.enter("collective")
+            self.watchdog.enter(Phase.COLLECTIVE)
             # not the control group: a background save's commit uses that one from its own thread
             check_consistency(self.model, step, self.agreement_group)
         every = self.config.checkpoint.every
         if self.checkpoints is not None and (save_due or (every and step % every == 0)):
-            self.watchdog.enter("checkpoint")
+            self.watchdog.enter(Phase.CHECKPOINT)
             self.save_checkpoint()
-        self.watchdog.enter("step")
+        self.watchdog.enter(Phase.STEP)
 
     def _stop(self, reason: str, last_loss: float | None) -> TrainResult:
         """A stop request was agreed at this step: commit it (within the save deadline) and return."""
@@ -379,7 +379,7 @@ class Trainer:
         self.log0.warning("stop agreed at step %d (%s%s)", step, reason,
                           f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
         if self.checkpoints is not None:
-            self.watchdog.enter("emergency-save")
+            self.watchdog.enter(Phase.EMERGENCY_SAVE)
             started = time.perf_counter()
             if self.async_checkpoints is not None:
                 self.async_checkpoints.wait()
@@ -387,7 +387,7 @@ class Trainer:
                 self.checkpoints.save(self.state)
                 self._last_commit_step = step
             self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
-        self.watchdog.enter("idle")
+        self.watchdog.enter(Phase.IDLE)
         result = TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
                              model_digest="", data_digest=self.sampler.data_digest, reason=reason,
                              stop_source=self.stop.reason)
@@ -396,15 +396,15 @@ class Trainer:
 
     def _finish(self, last_loss: float | None) -> TrainResult:
         counters = self.state.counters
-        self.watchdog.enter("checkpoint")
+        self.watchdog.enter(Phase.CHECKPOINT)
         if self.async_checkpoints is not None:
             self.async_checkpoints.wait()
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
-        self.watchdog.enter("eval")
+        self.watchdog.enter(Phase.EVAL)
         metrics = self._last_eval if self._last_eval is not None and self._last_eval[0] == counters.step else None
         metrics = metrics[1] if metrics is not None else self.evaluate()
-        self.watchdog.enter("idle")
+        self.watchdog.enter(Phase.IDLE)
         result = TrainResult(
             step=counters.step,
             epoch=self.sampler.position.epoch,
@@ -432,14 +432,14 @@ class Trainer:
         units: torch.Tensor | None = None  # this rank's summed loss weights, for a WeightedLoss
         for index in range(count):
             waited = time.perf_counter()
-            self.watchdog.enter("data")
+            self.watchdog.enter(Phase.DATA)
             if micro_batches:
                 batch = next(batches)
                 self._check_ids(batch, micro_batches[index], plan)
             else:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
-            self.watchdog.enter("step")
+            self.watchdog.enter(Phase.STEP)
             inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
             with nullcontext() if index == count - 1 else self.ddp.no_sync():
                 with self._autocast():
@@ -469,9 +469,9 @@ class Trainer:
         """Gradients hold the global sum of ``mean * weight``; divide them by the global total weight."""
         total = units.clone()
         if self.context.world_size > 1:
-            self.watchdog.enter("collective")
+            self.watchdog.enter(Phase.COLLECTIVE)
             dist.all_reduce(total)
-            self.watchdog.enter("step")
+            self.watchdog.enter(Phase.STEP)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads and float(total) > 0:
             torch._foreach_div_(grads, float(total))
@@ -572,7 +572,7 @@ class Trainer:
         self._last_commit_time = time.monotonic()
 
     def close(self) -> None:
-        self.watchdog.enter("checkpoint")  # a save still in flight is waited for under that phase's limit
+        self.watchdog.enter(Phase.CHECKPOINT)  # a save still in flight is waited for under that phase's limit
         if self.async_checkpoints is not None:
             self.async_checkpoints.close()
         if self.checkpoints is not None:

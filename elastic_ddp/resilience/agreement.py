@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.resilience.stop import StopRequests
+from elastic_ddp.resilience.watchdog import Phase
 
 
 def agreement_interval(step_time: float, min_interval_s: float, most: int = 1000) -> int:
@@ -61,7 +62,7 @@ def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = 
 
 
 class PhaseMarker(Protocol):
-    def enter(self, phase: str) -> None: ...
+    def enter(self, phase: Phase) -> None: ...
 
 
 class StopAgreement:
@@ -131,8 +132,8 @@ class StopAgreement:
     def _wait_for(self, pending: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
         flags, work = pending
         if self.watchdog is not None:
-            self.watchdog.enter("collective")
+            self.watchdog.enter(Phase.COLLECTIVE)
         work.wait()
         if self.watchdog is not None:
-            self.watchdog.enter("step")
+            self.watchdog.enter(Phase.STEP)
         return flags

@@ -12,17 +12,31 @@ Marking a phase is two attribute stores; the thread wakes about once a second.
 
 from __future__ import annotations
 
+import enum
 import faulthandler
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from elastic_ddp.resilience.exits import exit_code, log_exit, write_error_file
 
 logger = logging.getLogger(__name__)
+
+
+class Phase(str, enum.Enum):
+    """What a worker is doing. A name that is not a member is an error, not a phase without a limit."""
+
+    IDLE = "idle"
+    DATA = "data"
+    STEP = "step"
+    COLLECTIVE = "collective"
+    EVAL = "eval"
+    CHECKPOINT = "checkpoint"
+    EMERGENCY_SAVE = "emergency-save"
 
 
 @dataclass(frozen=True)
@@ -36,12 +50,21 @@ class PhaseLimit:
 class Watchdog:
     """Watches the phase the trainer is in; ends the process when one lasts past its limit."""
 
-    def __init__(self, limits: dict[str, PhaseLimit], log_file: str = "", poll_s: float = 1.0) -> None:
-        self.limits = {phase: limit for phase, limit in limits.items() if limit.timeout_s > 0}
+    def __init__(
+        self,
+        limits: Mapping[Phase | str, PhaseLimit],
+        log_file: str = "",
+        poll_s: float = 1.0,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        """``exit``: what ends the process on expiry, with the reason's status (``os._exit``: no cleanup
+        that could hang too); a test passes a recorder to watch an expiry in-process."""
+        self.limits = {Phase(phase): limit for phase, limit in limits.items() if limit.timeout_s > 0}
         self.log_file = log_file
+        self.exit = exit
         shortest = min((limit.timeout_s for limit in self.limits.values()), default=poll_s * 4)
         self.poll_s = min(poll_s, shortest / 4)
-        self.phase = "idle"
+        self.phase = Phase.IDLE
         self.since = time.monotonic()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic-ddp-watchdog", daemon=True)
@@ -51,10 +74,10 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def enter(self, phase: str) -> None:
-        """Mark the start of a phase (also counts as progress)."""
+    def enter(self, phase: Phase | str) -> None:
+        """Mark the start of a phase (also counts as progress); ValueError for a name that is not a phase."""
         self.since = time.monotonic()
-        self.phase = phase
+        self.phase = Phase(phase)
 
     def close(self) -> None:
         self._halt.set()
@@ -67,17 +90,18 @@ class Watchdog:
             limit = self.limits.get(phase)
             if limit is not None and time.monotonic() - since > limit.timeout_s:
                 self._expire(phase, limit, time.monotonic() - since)
+                return
 
-    def _expire(self, phase: str, limit: PhaseLimit, stuck_s: float) -> None:
-        reason = limit.reason if limit.reason != "hang" else f"hang:{phase}"
-        message = f"no progress in phase {phase!r} for {stuck_s:.1f} s (limit {limit.timeout_s:g} s)"
+    def _expire(self, phase: Phase, limit: PhaseLimit, stuck_s: float) -> None:
+        reason = limit.reason if limit.reason != "hang" else f"hang:{phase.value}"
+        message = f"no progress in phase {phase.value!r} for {stuck_s:.1f} s (limit {limit.timeout_s:g} s)"
         logger.error("watchdog: %s; dumping all thread stacks", message)
         self._dump_stacks(reason, message)
         write_error_file(reason, message)
         log_exit(reason, message)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os._exit(exit_code(reason))
+        self.exit(exit_code(reason))
 
     def _dump_stacks(self, reason: str, message: str) -> None:
         sys.stderr.write(f"watchdog {reason}: {message}\n")

@@ -106,17 +106,44 @@ def test_watchdog_dumps_stacks_and_exits_with_the_hang_status() -> None:
 
 
 def test_watchdog_leaves_a_progressing_process_alone() -> None:
-    from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+    from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 
-    dog = Watchdog({"step": PhaseLimit(0.3, "hang")}, poll_s=0.02).start()
+    exits: list[int] = []
+    dog = Watchdog({Phase.STEP: PhaseLimit(0.3, "hang")}, poll_s=0.02, exit=exits.append).start()
     try:
         for _ in range(40):
-            dog.enter("step")
+            dog.enter(Phase.STEP)
             threading.Event().wait(0.02)
-        dog.enter("idle")  # no limit: may last forever
+        dog.enter(Phase.IDLE)  # no limit: may last forever
         threading.Event().wait(0.5)
     finally:
         dog.close()
+    assert exits == []
+
+
+def test_watchdog_ends_a_stuck_phase_in_process_with_its_status() -> None:
+    from chaos.cluster import wait_for
+    from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
+
+    exits: list[int] = []
+    dog = Watchdog({Phase.COLLECTIVE: PhaseLimit(0.2, "hang"), Phase.EMERGENCY_SAVE: PhaseLimit(0.2, "save-deadline")},
+                   poll_s=0.02, exit=exits.append).start()
+    try:
+        dog.enter(Phase.COLLECTIVE)
+        wait_for(lambda: exits, 10, "the watchdog to fire")
+    finally:
+        dog.close()
+    assert exits == [EXIT_CODES["hang"]]
+
+
+def test_a_phase_name_that_is_not_a_phase_is_an_error_not_a_phase_without_a_limit() -> None:
+    from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+
+    with pytest.raises(ValueError, match="colective"):
+        Watchdog({"colective": PhaseLimit(1.0, "hang")})
+    dog = Watchdog({"collective": PhaseLimit(1.0, "hang")})
+    with pytest.raises(ValueError, match="chekpoint"):
+        dog.enter("chekpoint")
 
 
 def test_exit_codes_distinguish_restart_reasons() -> None:
