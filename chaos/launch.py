@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ from chaos.scenario import ETCD_CONF, RDZV_CONF, ScenarioError
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_ENDPOINT = re.compile(r"^(https?://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):\d{1,5}$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +64,13 @@ def launch(args: argparse.Namespace) -> int:
     start = args.nodes_start or high
     if not low <= start <= high:
         raise ScenarioError(f"--nodes-start {start} is outside --nodes {args.nodes}")
+    if args.nproc_per_node < 1:
+        raise ScenarioError(f"--nproc-per-node {args.nproc_per_node}: expected at least 1 worker per node")
+    if args.max_restarts < 0:
+        raise ScenarioError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    bad = [entry for entry in args.etcd.split(",") if args.etcd and not _ENDPOINT.match(entry.strip())]
+    if bad:
+        raise ScenarioError(f"--etcd {args.etcd!r}: {', '.join(map(repr, bad))} is not HOST:PORT")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="elastic-ddp-launch-"))
     with ExitStack() as stack:
         endpoint = _rendezvous_endpoint(args, workdir, stack)
@@ -96,9 +105,12 @@ def _summarize(cluster: LocalCluster, codes: dict[str, int | None]) -> int:
     for node in cluster.nodes:
         code = codes[node.name]
         print(f"{node.name}: {'still running at the deadline' if code is None else f'exit {code}'} ({node.log_path})")
-        done = [line for line in node.output().splitlines() if "elastic_ddp.trainer: done:" in line]
+        lines = node.output().splitlines()
+        done = [line for line in lines if "elastic_ddp.trainer: done:" in line]
         if done:
             print(f"  {done[-1]}")
+        elif code and lines:  # why it failed: torchrun's or the worker's last word
+            print(f"  {lines[-1]}")
     return 0 if all(code == 0 for code in codes.values()) else 1
 
 

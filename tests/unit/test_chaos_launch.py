@@ -47,3 +47,14 @@ def test_prefork_puts_the_launcher_module_before_the_script() -> None:
     assert prefork[-5:] == ["-m", "elastic_ddp.prefork", "train.py", "--max-steps", "5"]
     assert prefork[:-3] == plain[:-3] + ["-m", "elastic_ddp.prefork"]
     assert parse("--prefork", "--", "train.py").prefork and not parse("--", "train.py").prefork
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--nproc-per-node", "0"], "--nproc-per-node 0"),
+    (["--max-restarts", "-1"], "--max-restarts -1"),
+    (["--etcd", "notaport"], "'notaport' is not HOST:PORT"),
+    (["--etcd", "127.0.0.1:2379,h2:x"], "'h2:x' is not HOST:PORT"),
+])
+def test_bad_launch_values_are_refused_before_anything_starts(flags: list[str], named: str) -> None:
+    with pytest.raises(ScenarioError, match=named):
+        launch(parse("--nodes", "1:2", *flags, "--", "examples/train.py"))
