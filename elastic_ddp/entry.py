@@ -27,7 +27,7 @@ from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.errors import ElasticDDPError
 from elastic_ddp.logs import setup_logging
 from elastic_ddp.resilience.consistency import DivergenceError
-from elastic_ddp.resilience.exits import leave_job, log_exit, write_error_file
+from elastic_ddp.resilience.exits import leave_job, log_exit, peer_loss, write_error_file
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
 
@@ -60,5 +60,13 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
         logger.error("%s", exc)
         write_error_file(reason, str(exc))
         return log_exit(reason)
+    except RuntimeError as exc:
+        message = peer_loss(exc)
+        if message is None:
+            raise
+        logger.error("%s", message)  # the peer's own log has the cause; this rank's traceback adds nothing
+        logger.debug("collective failure", exc_info=True)
+        write_error_file("peer-lost", message)
+        return log_exit("peer-lost", message)
     finally:
         log.close()

@@ -9,7 +9,9 @@ reason               status  what the agent does
                              its workers succeed) and the node leaves the job
 ``peer-lost``        75      a peer was preempted: this rank saved with it and exits with a
                              failure status, so its agent restarts the worker group and
-                             re-rendezvouses with whoever is still there
+                             re-rendezvouses with whoever is still there; also a peer that
+                             died during a collective (its connection closed): one line
+                             here, the cause is in that peer's log
 ``hang:<phase>``     76      the watchdog saw no progress in <phase> for too long; stacks are
                              in the log; the agent restarts the group from the last checkpoint
 ``divergence``       77      ranks disagreed on the parameters; the agent restarts the group
@@ -33,6 +35,19 @@ import time
 from elastic_ddp.prefork import agent_pid
 
 logger = logging.getLogger(__name__)
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo's transport says when the other end of a collective's connection has gone."""
+
+
+def peer_loss(exc: BaseException) -> str | None:
+    """A one-line account of ``exc`` when it means a peer died during a collective (this rank is
+    healthy, the cause is in the peer's log), else None."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_GONE):
+        return f"a peer left during a collective ({text.splitlines()[0][:300]})"
+    return None
+
 
 EXIT_CODES: dict[str, int] = {
     "done": 0,
