@@ -109,6 +109,16 @@ class DistContext:
         return self.env.rank == 0
 
 
+def cpu_group(world_size: int, timeout_s: float, own: bool) -> dist.ProcessGroup | None:
+    """A gloo group of all ranks, for collectives that must stay on the CPU (object collectives, flags
+    read every step). None: one process, or, unless ``own`` is asked for, the default group when it is
+    gloo already. A background thread's collectives need ``own``: on the group the training step uses
+    they would interleave with its all-reduces."""
+    if world_size == 1 or (not own and dist.get_backend() == "gloo"):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     if not env.under_launcher:
         return dist.HashStore()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv
+from elastic_ddp.distributed import LaunchEnv, cpu_group
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.exits import leave_job, log_exit
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
@@ -50,15 +49,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _gloo_group(world_size: int, timeout_s: float, own: bool) -> dist.ProcessGroup | None:
-    """A CPU group of all ranks (None: one process, or the default group when it is gloo and ``own`` is
-    not asked for). A background thread's collectives need a group of their own: on the group the
-    training step uses they would interleave with its all-reduces."""
-    if world_size == 1 or (not own and dist.get_backend() == "gloo"):
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 class Checkpointer:
@@ -99,7 +89,7 @@ class Checkpointer:
         )
         self.manager = CheckpointManager(
             uri, rank=rank, world_size=world_size, run_id=env.run_id, generation=env.restart_count, keep=keep,
-            storage_options=dict(storage_options or {}), group=_gloo_group(world_size, timeout_s, own=True), probe=True,
+            storage_options=dict(storage_options or {}), group=cpu_group(world_size, timeout_s, own=True), probe=True,
         )
         self.background = AsyncCheckpointer(self.manager) if async_save else None
         self.last_saved_step: int | None = None
@@ -178,7 +168,7 @@ class StepGuard:
         limit = PhaseLimit(hang_timeout_s, "hang")
         self.watchdog = Watchdog({Phase.STEP: limit, Phase.COLLECTIVE: limit}).start()
         self.agreement = StopAgreement(
-            world_size=world_size, requests=self.requests, group=_gloo_group(world_size, timeout_s, own=False),
+            world_size=world_size, requests=self.requests, group=cpu_group(world_size, timeout_s, own=False),
             interval_s=agreement_interval_s, watchdog=self.watchdog,
         )
         self._step_started = time.perf_counter()

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan
-from elastic_ddp.distributed import DistContext
+from elastic_ddp.distributed import DistContext, cpu_group
 from elastic_ddp.errors import CheckpointError, DataError
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
@@ -118,7 +117,6 @@ class Trainer:
         self.log0 = main_only(logger, context.rank)
         self.model = built.model.to(self.device)
         self.optimizer = self._make_optimizer(built)
-        self.default_schedule = built.scheduler is None
         self.scheduler = self._make_scheduler(built)
         use_scaler = config.use_amp and config.amp_dtype == "float16"
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
@@ -143,13 +141,16 @@ class Trainer:
             extra=built.state,
             rank_extra=built.rank_state,
         )
-        if self.default_schedule:
+        if built.scheduler is None:  # the runtime's schedule: its horizon is recorded with each checkpoint
             self.state.annotations[LR_HORIZON_KEY] = config.decay_steps
-        self.control_group = self._make_gloo_group()
-        self.agreement_group = self._make_gloo_group() if context.backend != "gloo" else None
-        """Carries the per-step stop agreement: its flags stay on the CPU, so reading them never waits for
-        the device (on the default NCCL group that read would synchronise the host with every step).
-        None: the default group, already a CPU one."""
+        timeout_s = config.dist.collective_timeout_s
+        self.control_group = cpu_group(context.world_size, timeout_s, own=True)
+        """Checkpoint coordination: object collectives work whatever the training backend is, and a
+        background save's commit (its own thread) never interleaves with the step's collectives."""
+        self.agreement_group = cpu_group(context.world_size, timeout_s, own=False)
+        """The per-step stop agreement and the consistency check (training thread only): their flags stay
+        on the CPU, so reading them never waits for the device (on the default NCCL group that read
+        would synchronise the host with every step). None: the default group, already a CPU one."""
         self.checkpoints = self._make_checkpoint_manager()
         self.async_checkpoints = (
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
@@ -215,14 +216,6 @@ class Trainer:
             group=self.control_group,
             probe=True,
         )
-
-    def _make_gloo_group(self) -> dist.ProcessGroup | None:
-        """A gloo group of all ranks. The control group (checkpoint coordination, consistency checks) is one:
-        object collectives work whatever the training backend is, and a background save never interleaves
-        with the step's collectives."""
-        if self.context.world_size == 1:
-            return None
-        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.config.dist.collective_timeout_s))
 
     def _start_resilience(self) -> None:
         resilience = self.config.resilience
@@ -402,8 +395,8 @@ class Trainer:
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
         self.watchdog.enter(Phase.EVAL)
-        metrics = self._last_eval if self._last_eval is not None and self._last_eval[0] == counters.step else None
-        metrics = metrics[1] if metrics is not None else self.evaluate()
+        evaluated_here = self._last_eval is not None and self._last_eval[0] == counters.step
+        metrics = self._last_eval[1] if evaluated_here else self.evaluate()  # type: ignore[index]
         self.watchdog.enter(Phase.IDLE)
         result = TrainResult(
             step=counters.step,
@@ -473,8 +466,9 @@ class Trainer:
             dist.all_reduce(total)
             self.watchdog.enter(Phase.STEP)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads and float(total) > 0:
-            torch._foreach_div_(grads, float(total))
+        weight = float(total)  # one read (on CUDA, one synchronisation)
+        if grads and weight > 0:
+            torch._foreach_div_(grads, weight)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
