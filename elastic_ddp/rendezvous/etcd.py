@@ -70,9 +70,11 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.events.handlers import get_logging_handler
 from torch.distributed.elastic.rendezvous import RendezvousHandlerCreator, RendezvousParameters
@@ -92,7 +94,7 @@ from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, Mo
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
-from elastic_ddp.rendezvous.store import EtcdStore
+from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +298,20 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     (torch's own exit operation, which it runs before every re-join), bounded by
     :data:`LEAVE_TIMEOUT_S`. A node killed outright is still removed by the heartbeat rule.
 
+    **Leaving as the job ends.** torchrun's agent waits in an exit barrier (up to 300 s) until
+    every agent of the round has checked in, and an agent ended by a signal never gets there. So
+    the exiting node checks in on its way out (before it leaves the round), unless its agent
+    already did: a node preempted just after its workers finished does not hold the others. A
+    check-in by a node that left mid-training is harmless: the survivors' next round has a barrier
+    of its own.
+
+    **etcd outages.** Workers never use etcd; only membership changes need it. While etcd does not
+    answer, :meth:`num_nodes_waiting` (the agent's poll of a healthy group) reports no waiting
+    node, with one warning per outage, instead of failing the agent and stopping a training job:
+    the first poll of an outage waits up to ``read_timeout``; later ones probe etcd for at most
+    ``connect_timeout`` every ``keep_alive_interval``. :meth:`shutdown` (a finished job) gives
+    up closing the rendezvous, with a warning, when etcd does not answer within ``connect_timeout``.
+
     **Re-joining.** torch removes a node from the round once its last heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
     etcd that long (an etcd outage, a frozen agent) is removed although its workers still
@@ -309,31 +325,88 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         super().__init__(*args, **kwargs)
         self._op_executor = _OpExecutor(self._this_node, self._state_holder, self._settings)
         self._shut_down = False
+        self._etcd: _EtcdAccess | None = None
+        self._outage_since: float | None = None
+        self._last_probe = 0.0
         atexit.register(_leave_at_exit, weakref.ref(self))
 
+    def attach(self, client: EtcdClient, store: EtcdStore, connect_timeout: float) -> None:
+        """Give the handler the client and store it was built on (torch's constructor takes neither)."""
+        self._etcd = _EtcdAccess(client, store, connect_timeout)
+
     def shutdown(self) -> bool:
-        """See base class (closes the rendezvous for every node: the job is over)."""
+        """See base class (closes the rendezvous for every node: the job is over). Gives up, with a
+        warning, when etcd does not answer within ``connect_timeout``."""
         self._shut_down = True
+        if self._etcd is not None and (self._etcd.store.exit_barrier_given_up or not self._etcd.answers()):
+            # torch's stop joins the heartbeat thread, which may be waiting read_timeout on etcd
+            stopper = threading.Thread(target=self._stop_heartbeats, name="etcd-v3-stop-heartbeats", daemon=True)
+            stopper.start()
+            stopper.join(self._etcd.connect_timeout)
+            logger.warning(
+                "etcd-v3: etcd did not answer within %s s at shutdown; rendezvous %s is not closed (its "
+                "keys expire with their lease)", self._etcd.connect_timeout, self._settings.run_id,
+            )  # fmt: skip
+            return False
         return super().shutdown()
 
     def leave(self) -> None:
         """Take this node out of the current round, so the others re-form without waiting for its
-        heartbeats to expire. Does nothing if it is not a participant (as last seen)."""
-        if self._this_node not in self._state_holder.state.participants:
+        heartbeats to expire; check in at the round's exit barrier first (see the class
+        docstring). Does nothing if it is not a participant (as last seen)."""
+        state = self._state_holder.state
+        if self._this_node not in state.participants:
             return
         self._stop_heartbeats()
+        self._check_in_at_exit_barrier(state.round, len(state.participants))
         self._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_TIMEOUT_S)
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
+
+    def _check_in_at_exit_barrier(self, round_: int, agents: int) -> None:
+        if self._etcd is None:
+            return
+        prefix = _round_store_prefix(self._settings.run_id, round_)
+        if any(key.startswith(prefix + "/") for key in self._etcd.store.exit_barrier_check_ins):
+            return  # the agent got there itself
+        store = dist.PrefixStore(prefix, self._etcd.store)
+        if store.add(EXIT_BARRIER_COUNT, 1) == agents:
+            store.set(EXIT_BARRIER_DONE, "<val_ignored>")
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
         _record_event(DynamicRendezvousHandler, self._this_node, self._settings.run_id, message, node_state, rank)
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting for the next round; at least 1 when this node is no longer in the round."""
-        waiting = super().num_nodes_waiting()
+        """Nodes waiting for the next round; at least 1 when this node is no longer in the round;
+        0 while etcd does not answer (see the class docstring)."""
+        if self._outage_since is not None and not self._etcd_back():
+            return 0
+        try:
+            waiting = super().num_nodes_waiting()
+        except EtcdConnectionError as exc:
+            self._outage_began(exc)
+            return 0
+        if self._outage_since is not None:
+            logger.warning("etcd-v3: etcd answers again after %.1f s", time.monotonic() - self._outage_since)
+            self._outage_since = None
         if waiting == 0 and self._left_behind():
             return 1
         return waiting
+
+    def _outage_began(self, exc: EtcdConnectionError) -> None:
+        if self._outage_since is None:
+            self._outage_since = self._last_probe = time.monotonic()
+            logger.warning(
+                "etcd-v3: etcd does not answer (%s); the workers train on, and membership changes "
+                "wait until it answers", exc,
+            )  # fmt: skip
+
+    def _etcd_back(self) -> bool:
+        """During an outage: whether a probe (at most every keep_alive_interval) got an answer."""
+        now = time.monotonic()
+        if self._etcd is None or now - self._last_probe < self._settings.keep_alive_interval.total_seconds():
+            return False
+        self._last_probe = now
+        return self._etcd.answers()
 
     def _left_behind(self) -> bool:
         # torch exposes neither the participants nor this node's descriptor; both are read from
@@ -348,6 +421,26 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
         return True
+
+
+@dataclass(frozen=True)
+class _EtcdAccess:
+    client: EtcdClient
+    store: EtcdStore
+    connect_timeout: float
+
+    def answers(self) -> bool:
+        """Whether an etcd member answers within ``connect_timeout``."""
+        try:
+            self.client.status(timeout=self.connect_timeout)
+        except EtcdConnectionError:
+            return False
+        return True
+
+
+def _round_store_prefix(run_id: str, round_: int) -> str:
+    """The prefix of one round's agents' store (torch's ``DynamicRendezvousHandler._wrap_store``)."""
+    return f"torch.rendezvous.{run_id}.{round_}"
 
 
 def _leave_at_exit(handler_ref: weakref.ref) -> None:
@@ -390,7 +483,8 @@ def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
 def _backend_and_store(settings: EtcdRendezvousSettings, client: EtcdClient) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     leases = LeaseKeeper(client, settings.ttl)
     backend = EtcdRendezvousBackend(client, settings.run_prefix + "state", leases)
-    store = EtcdStore(client, settings.run_prefix + "store/", leases, timedelta(seconds=settings.read_timeout))
+    store = EtcdStore(client, settings.run_prefix + "store/", leases, timedelta(seconds=settings.read_timeout),
+                      probe_timeout=settings.connect_timeout)
     return backend, store
 
 
@@ -408,11 +502,13 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     _first_contact(client, settings)
     backend, store = _backend_and_store(settings, client)
     use_fresh_worker_store()
-    return EtcdRendezvousHandler.from_backend(
+    handler = EtcdRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
+    handler.attach(client, store, settings.connect_timeout)
+    return handler
 
 
 def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None:

@@ -15,11 +15,18 @@ compare-and-swap loop that adds exactly once even when the client retries a swap
 that etcd applied but did not answer (see :meth:`EtcdStore.add`). Every key, the
 markers of ``add`` included, is attached to the participant's lease
 (:mod:`elastic_ddp.rendezvous.lease`).
+
+The exit barrier (keys under :data:`EXIT_BARRIER_PREFIX`) is best effort: an agent gets there
+once its own workers have finished, and waiting for the other agents protects nothing that lives
+in etcd. So when etcd does not answer a quick probe (``probe_timeout``), or fails while the agent
+waits, the barrier is given up with one warning and the agent exits as its workers did; it never
+spends ``read_timeout`` (and then the barrier's 300 s) on an etcd that is gone.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -37,10 +44,18 @@ from elastic_ddp.rendezvous.client import (
     TxnOutcome,
     ValueIs,
 )
-from elastic_ddp.rendezvous.errors import EtcdRendezvousError, EtcdStoreTimeoutError
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError, EtcdStoreTimeoutError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 
+logger = logging.getLogger(__name__)
+
 _WATCH_SLICE_S = 10.0
+
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"
+"""Where torchrun's agent keeps its exit barrier in the (per-round) agents' store: it ``add`` s 1 to
+``<prefix>/num_members`` and waits for ``<prefix>/last_member``, which the last agent sets."""
+EXIT_BARRIER_COUNT = EXIT_BARRIER_PREFIX + "/num_members"
+EXIT_BARRIER_DONE = EXIT_BARRIER_PREFIX + "/last_member"
 
 
 class EtcdStoreValueError(EtcdRendezvousError, ValueError):
@@ -54,9 +69,15 @@ class EtcdStore(dist.Store):
     pybind's trampoline, whose method names are ``deleteKey`` and ``getNumKeys``.
     """
 
-    def __init__(self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta) -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta, probe_timeout: float = 5.0
+    ) -> None:
         super().__init__()
         self._client = client
+        self._probe_timeout = probe_timeout
+        self.exit_barrier_check_ins: list[str] = []
+        """The (round-prefixed) exit-barrier counters this process added itself to."""
+        self._exit_barrier_given_up = False
         self._prefix = prefix.encode()
         self._marker_prefix = self._prefix.rstrip(b"/") + b".adds/"
         self._instance = uuid.uuid4().hex.encode()
@@ -87,8 +108,18 @@ class EtcdStore(dist.Store):
         return [kv.value for kv in self._wait_for(keys, self._deadline())]
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        """Return once every key exists; raise :class:`EtcdStoreTimeoutError` after ``timeout``."""
-        self._wait_for(keys, self._deadline(timeout))
+        """Return once every key exists; raise :class:`EtcdStoreTimeoutError` after ``timeout``.
+
+        The exit barrier's wait returns (with a warning) when etcd cannot be reached."""
+        if not any(key.endswith(EXIT_BARRIER_DONE) for key in keys):
+            self._wait_for(keys, self._deadline(timeout))
+            return
+        if self._exit_barrier_given_up:
+            return
+        try:
+            self._wait_for(keys, self._deadline(timeout))
+        except EtcdConnectionError as exc:
+            self._give_up_exit_barrier(exc)
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists now."""
@@ -102,7 +133,34 @@ class EtcdStore(dist.Store):
         counter. When the client retried a swap whose first attempt etcd applied
         but did not answer, the retry's compare fails on our own write; the marker
         tells that apart from a competing ``add``, so the amount is added once.
+
+        On the exit barrier's counter: returns 0 without adding when etcd does not answer
+        (the barrier is given up, see the module docstring).
         """
+        if not key.endswith(EXIT_BARRIER_COUNT):
+            return self._add(key, amount)
+        self.exit_barrier_check_ins.append(key)
+        try:
+            self._client.status(timeout=self._probe_timeout)
+            return self._add(key, amount)
+        except EtcdConnectionError as exc:
+            self._give_up_exit_barrier(exc)
+            return 0
+
+    @property
+    def exit_barrier_given_up(self) -> bool:
+        """Whether this agent gave up its exit barrier because etcd did not answer."""
+        return self._exit_barrier_given_up
+
+    def _give_up_exit_barrier(self, exc: EtcdConnectionError) -> None:
+        if not self._exit_barrier_given_up:
+            logger.warning(
+                "etcd-v3: etcd did not answer at the exit barrier; this agent's workers have finished, "
+                "so it exits without waiting for the other agents (%s)", exc,
+            )  # fmt: skip
+        self._exit_barrier_given_up = True
+
+    def _add(self, key: str, amount: int) -> int:
         etcd_key, marker = self._key(key), self._add_marker()
         deadline = self._deadline()
         current = self._client.get(etcd_key)

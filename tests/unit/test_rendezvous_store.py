@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.rendezvous.lease import LeaseKeeper
-from elastic_ddp.rendezvous.store import EtcdStore, EtcdStoreValueError
+from elastic_ddp.rendezvous.errors import EtcdConnectionError
+from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_PREFIX, EtcdStore, EtcdStoreValueError
 from tests.fixtures.fake_etcd import FakeEtcdClient
 
 PREFIX = "/elastic_ddp/rdzv/job/store/"
@@ -185,3 +186,41 @@ def test_torch_barrier_utility_runs_on_the_store(client: FakeEtcdClient) -> None
     for thread in threads:
         thread.join(timeout=10)
     assert not errors and not any(thread.is_alive() for thread in threads)
+
+
+def exit_barrier(store: EtcdStore, agents: int, timeout_s: float = 5.0) -> None:
+    """torchrun's agent's exit barrier, as its agent calls it, on this store."""
+    from torch.distributed.elastic.utils.store import barrier
+
+    barrier(dist.PrefixStore("torch.rendezvous.job.1", store), agents, EXIT_BARRIER_PREFIX, timeout_s)
+
+
+def test_the_exit_barrier_is_given_up_at_once_when_etcd_does_not_answer(client: FakeEtcdClient) -> None:
+    store = make_store(client)
+    client.down = True
+    start = time.monotonic()
+    exit_barrier(store, 2)  # no error: the barrier is best effort
+    assert time.monotonic() - start < 1
+    assert store.exit_barrier_given_up
+    assert store.exit_barrier_check_ins == ["torch.rendezvous.job.1/" + EXIT_BARRIER_COUNT]
+
+
+def test_the_exit_barrier_still_waits_for_the_other_agents_while_etcd_answers(client: FakeEtcdClient) -> None:
+    store = make_store(client)
+    with pytest.raises(dist.DistStoreError):
+        exit_barrier(store, 2, timeout_s=0.2)
+    assert not store.exit_barrier_given_up
+
+
+def test_an_outage_during_the_exit_barrier_wait_ends_it_without_an_error(client: FakeEtcdClient) -> None:
+    store = make_store(client)
+    threading.Timer(0.1, setattr, args=(client, "down", True)).start()
+    exit_barrier(store, 2)
+    assert store.exit_barrier_given_up
+
+
+def test_other_keys_do_not_give_up_when_etcd_does_not_answer(store: EtcdStore, client: FakeEtcdClient) -> None:
+    client.down = True
+    with pytest.raises(EtcdConnectionError):
+        store.add("torch.rendezvous.job.1/counter", 1)
+    assert not store.exit_barrier_given_up
