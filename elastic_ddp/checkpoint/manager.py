@@ -204,6 +204,9 @@ class CheckpointManager:
         self.stager = Stager()
         self.token = self._shared_token(probe)
         self._retention: threading.Thread | None = None
+        self._verified: set[bytes] = set()
+        """Manifests (their JSON) whose checkpoint counts as verified for retention: committed by this
+        manager (checksums taken over the bytes it wrote), or read back and verified once."""
 
     def _shared_token(self, probe: bool) -> str:
         """Rank 0's writer token for this launch, and the outcome of its write probe, on every rank."""
@@ -307,6 +310,7 @@ class CheckpointManager:
             meta=staged.meta,
         )
         self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
+        self._verified.add(manifest.to_json())
         logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
         self._after_commit(manifest)
         return manifest
@@ -384,6 +388,8 @@ class CheckpointManager:
         try:
             data, found = self.storage.read_hashed(path)
         except CheckpointError as exc:
+            if self.storage.exists(path):
+                raise  # there but unreadable now (storage trouble): not evidence of damage
             raise CheckpointCorruptError(f"{path}: missing ({exc})") from exc
         if found.size != record.size:
             raise CheckpointCorruptError(f"{path}: size {found.size} bytes, manifest says {record.size}")
@@ -487,12 +493,46 @@ class CheckpointManager:
 
     def retention_plan(self, keep: int | None = None, now: float | None = None) -> list[str]:
         """Paths retention would remove: committed checkpoints beyond the newest ``keep`` (default: the
-        manager's), and unfinished writes older than the newest commit and idle for LEFTOVER_GRACE_S."""
+        manager's) that verify, and unfinished writes older than the newest commit and idle for
+        LEFTOVER_GRACE_S. Only checkpoints that verify are counted (each is read back once per
+        manager, unless this manager committed it): a damaged checkpoint never pushes out a good one."""
+        return self._retention_scan(keep, now)[0]
+
+    def apply_retention(self, keep: int | None = None, now: float | None = None) -> list[str]:
+        """Un-commit the damaged checkpoints among the newest, and remove what :meth:`retention_plan`
+        lists; returns the removed paths."""
+        doomed, damaged = self._retention_scan(keep, now)
+        for info, reason in damaged:
+            self._uncommit(info, reason)
+        for path in doomed:
+            self._remove_dir(path)
+            logger.info("retention removed %s", path)
+        return doomed
+
+    def _retention_scan(
+        self, keep: int | None, now: float | None
+    ) -> tuple[list[str], list[tuple[CheckpointInfo, str]]]:
+        """(paths to remove, damaged checkpoints met while counting the newest ``keep`` that verify).
+        A checkpoint that cannot be read now (storage trouble) is neither counted nor removed."""
         keep = self.keep if keep is None else keep
         now = time.time() if now is None else now
         infos = self.list()
         committed = [info for info in infos if info.committed]
-        doomed = [info.path for info in committed[keep:]]
+        doomed: list[str] = []
+        damaged: list[tuple[CheckpointInfo, str]] = []
+        counted = 0
+        for info in committed:
+            if counted >= keep:
+                doomed.append(info.path)
+                continue
+            try:
+                self._verify_once(info)
+            except CheckpointCorruptError as exc:
+                damaged.append((info, str(exc)))
+            except CheckpointError as exc:
+                logger.warning("retention: could not read %s to verify it, keeping it uncounted: %s", info.path, exc)
+            else:
+                counted += 1
         if committed:
             newest = committed[0].step
             doomed += [
@@ -500,15 +540,14 @@ class CheckpointManager:
                 for info in infos
                 if not info.committed and info.step < newest and now - self.storage.mtime(info.path) > LEFTOVER_GRACE_S
             ]
-        return doomed
+        return doomed, damaged
 
-    def apply_retention(self, keep: int | None = None, now: float | None = None) -> list[str]:
-        """Remove what :meth:`retention_plan` lists; returns the removed paths."""
-        doomed = self.retention_plan(keep, now)
-        for path in doomed:
-            self._remove_dir(path)
-            logger.info("retention removed %s", path)
-        return doomed
+    def _verify_once(self, info: CheckpointInfo) -> None:
+        assert info.manifest is not None
+        body = info.manifest.to_json()
+        if body not in self._verified:
+            self.verify(info)
+            self._verified.add(body)
 
     def existing_step_path(self, step: int) -> str:
         """The path of step ``step``'s directory; CheckpointError when there is none."""

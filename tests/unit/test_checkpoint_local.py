@@ -196,6 +196,49 @@ def test_retention_keeps_the_newest_k_and_stale_leftovers_go(tmp_path: Path) -> 
     assert steps == ["step-00000003", "step-00000004", "step-00000099"]
 
 
+def test_retention_counts_only_checkpoints_that_verify(tmp_path: Path) -> None:
+    """Damaged checkpoints of higher steps (left by another run) must not push out what this run
+    commits: they do not count, and are un-committed; the new ones stay and verify."""
+    old = make_state()
+    advance(old, 100)
+    earlier = manager(tmp_path, keep=2)
+    earlier.save(old)
+    advance(old, 100)
+    earlier.save(old)
+    earlier.wait_for_retention()
+    for path in tmp_path.glob("step-*/replicated-*.eddp"):
+        os.truncate(path, 100)
+    state, m = make_state(), manager(tmp_path, keep=2)
+    for _ in range(3):
+        advance(state)
+        m.save(state)
+        m.wait_for_retention()
+    committed = [info.step for info in m.list() if info.committed]
+    assert committed == [3, 2]
+    for info in m.list():
+        if info.committed:
+            m.verify(info)
+    assert sorted(p.parent.name for p in tmp_path.glob("step-*/manifest.rejected.json")) == [
+        "step-00000100", "step-00000200"]
+
+
+def test_a_checkpoint_that_cannot_be_read_now_is_neither_counted_nor_removed(tmp_path: Path) -> None:
+    state, m = make_state(), manager(tmp_path, keep=2)
+    for _ in range(3):
+        advance(state)
+        m.save(state)
+        m.wait_for_retention()
+    reader = manager(tmp_path, keep=2)  # a new process: has verified nothing yet
+
+    def hiccup(path: str) -> tuple[bytes, object]:
+        raise CheckpointError(f"{path}: storage hiccup")
+
+    reader.storage.read_hashed = hiccup  # type: ignore[method-assign]
+    assert reader.retention_plan(keep=1) == []
+    assert reader.apply_retention(keep=1) == []
+    assert [info.step for info in reader.list() if info.committed] == [3, 2]
+
+
 def test_manifest_validation_rejects_path_traversal() -> None:
     body = {
         "format_version": 1, "step": 1, "epoch": 0, "cursor": 8, "samples_seen": 8, "world_size": 1, "generation": 0,
