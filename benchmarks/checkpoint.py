@@ -167,7 +167,8 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     print(f"\nblocking time of an asynchronous save: what it adds to the training step that takes it (forward + "
           f"backward of a batch of {args.batch}, AdamW step); lower is better; target <= 0.15 s/GB:")
     buffers = [torch.empty_like(t) for t in tensors]
-    row("copy_ into preallocated buffers (floor of a blocking copy)", median_time(lambda: [b.copy_(t) for b, t in zip(buffers, tensors)], args.repeats), nbytes)
+    copy_time = median_time(lambda: [b.copy_(t) for b, t in zip(buffers, tensors)], args.repeats)
+    row("copy_ into preallocated buffers (floor of a blocking copy)", copy_time, nbytes)
     row("clone() into fresh memory", median_time(lambda: [t.clone() for t in tensors], args.repeats), nbytes)
     print("  ('blocked' = the save call + the next optimizer step's wait for the copy; 'step +' = how much longer the "
           "step that takes the save is than a step alone: blocking plus the background work's interference)")
@@ -305,7 +306,8 @@ def s3_benchmarks(args: argparse.Namespace) -> None:
             state.counters.step += 1
             manager.save(state)
 
-        t_ours = median_time(ours, args.repeats, setup=manager.wait_for_retention)  # deletions behind the previous save are not part of this one
+        # deletions behind the previous save are not part of this one
+        t_ours = median_time(ours, args.repeats, setup=manager.wait_for_retention)
         row("elastic_ddp save to s3://", t_ours, nbytes, f"{t_pipe / t_ours:.2f}x pipe_file")
     finally:
         server.terminate()

@@ -209,13 +209,13 @@ def print_resilience_costs(config, context, plain_step: float, agreement: float,
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-
     from config import MLPConfig
     from dataset import make_datasets
+    from model import build_model
+
     from elastic_ddp.build import Built
     from elastic_ddp.config import config_from_args
     from elastic_ddp.distributed import distributed
-    from model import build_model
 
     config = config_from_args(MODEL_ARGS + ["--max-steps", str(args.steps)], config_class=MLPConfig)
     data, _ = make_datasets(config.data, config.model)
@@ -324,11 +324,11 @@ def lm_optimizer_step(config, model, optimizer, scheduler, scaler) -> None:
 def lm_plain_loop(config, context, model, data, steps: int, gc_every: int = 0) -> tuple[float, float]:
     """A hand-written DDP loop over the LM; returns (wall, CPU) seconds. ``gc_every`` > 0: the trainer's
     garbage-collection schedule."""
+    from lm_train import lm_loss
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
     from elastic_ddp.collection import StepCollection
-    from lm_train import lm_loss
 
     device = context.device
     model = model.to(device)
@@ -355,12 +355,12 @@ def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0)
     StepGuard.after_step every step; returns (wall, CPU) seconds."""
     from contextlib import nullcontext
 
+    from lm_train import lm_loss
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
     from elastic_ddp.collection import StepCollection
     from elastic_ddp.loop import ElasticSampler, StepGuard
-    from lm_train import lm_loss
 
     device = context.device
     model = model.to(device)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chaos.scenario import ChaosError
 
@@ -171,7 +172,7 @@ class EtcdServer:
     @property
     def pid(self) -> int | None:
         """The process id while the server runs, else ``None``."""
-        return self._proc.pid if self.running else None
+        return self._proc.pid if self._proc is not None and self.running else None
 
     @property
     def running(self) -> bool:
@@ -207,7 +208,7 @@ class EtcdServer:
     def launch(self) -> None:
         """Start the process without waiting for it to become healthy."""
         if self.running:
-            raise EtcdProcessError("etcd member %s is already running (pid %d)" % (self.spec.name, self.pid))
+            raise EtcdProcessError("etcd member %s is already running (pid %s)" % (self.spec.name, self.pid))
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -247,7 +248,7 @@ class EtcdServer:
         except (OSError, ValueError):
             return False
 
-    def status(self) -> dict[str, str]:
+    def status(self) -> dict[str, Any]:
         """``/v3/maintenance/status`` of this member through etcd's JSON gateway."""
         request = urllib.request.Request(
             self.spec.client_url + "/v3/maintenance/status", data=b"{}", method="POST"
@@ -270,7 +271,8 @@ class EtcdServer:
             status = self.status()
         except (OSError, ValueError):
             return False
-        return status.get("leader") == status.get("header", {}).get("member_id")
+        header = status.get("header")
+        return isinstance(header, dict) and status.get("leader") == header.get("member_id")
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the process, SIGKILL it if it is still alive at the deadline, reap it."""

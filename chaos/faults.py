@@ -522,7 +522,12 @@ class StorageOutage(Fault):
         proxy.set_down(True)
         self.record.target = "s3"
         self.record.detail = f"down for {self.spec.duration_s:.0f} s"
-        return [FollowUp(self.spec.duration_s, lambda: (proxy.set_down(False), "up again")[1], True)]
+
+        def up_again() -> str:
+            proxy.set_down(False)
+            return "up again"
+
+        return [FollowUp(self.spec.duration_s, up_again, True)]
 
 
 class SlowStorage(Fault):
@@ -535,7 +540,12 @@ class SlowStorage(Fault):
         proxy.set_delay(self.spec.delay_s)
         self.record.target = "s3"
         self.record.detail = f"+{self.spec.delay_s:.2f} s per chunk for {self.spec.duration_s:.0f} s"
-        return [FollowUp(self.spec.duration_s, lambda: (proxy.set_delay(0.0), "normal speed")[1], True)]
+
+        def normal_speed() -> str:
+            proxy.set_delay(0.0)
+            return "normal speed"
+
+        return [FollowUp(self.spec.duration_s, normal_speed, True)]
 
 
 class CorruptCheckpoint(Fault):
@@ -712,7 +722,7 @@ class SpotServer:
 
 def _spot_handler(noticed: set[str]) -> type[http.server.BaseHTTPRequestHandler]:
     class SpotMetadata(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's API name
+        def do_GET(self) -> None:
             node = self.path.split("/")[1] if self.path.count("/") > 1 else ""
             if node in noticed and self.path == f"/{node}{SPOT_PATH}":
                 body = b'{"action": "terminate", "time": "2026-11-30T12:00:00Z"}'

@@ -22,7 +22,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from chaos.cluster import JobSpec, LocalCluster
-from chaos.etcd import start_etcd
+from chaos.etcd import EtcdServer, start_etcd
 from chaos.scenario import ETCD_CONF, RDZV_CONF, ScenarioError
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def _rendezvous_endpoint(args: argparse.Namespace, workdir: Path, stack: ExitSta
     if args.rdzv_backend != "etcd-v3" or args.etcd:
         return args.etcd
     server = start_etcd("embedded", workdir, stack)
+    assert isinstance(server, EtcdServer)
     print(f"embedded etcd at {server.endpoint} (pid {server.pid})", file=sys.stderr)
     return server.endpoint
 

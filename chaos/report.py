@@ -110,7 +110,8 @@ def _fault_row(fault: dict[str, Any]) -> str:
     if fault["overlapped"]:
         notes += " (next fault fired before recovery)"
     cells = [fault["label"], _num(fault["fired_at_s"]), fault["target"] or "-", _num(fault["detect_s"]),
-             _num(fault["agents_rendezvous_s"]), _num(fault["rendezvous_s"]), _num(fault["first_step_s"]), _num(fault["stall_s"]), _num(fault["steps_redone"]),
+             _num(fault["agents_rendezvous_s"]), _num(fault["rendezvous_s"]), _num(fault["first_step_s"]),
+             _num(fault["stall_s"]), _num(fault["steps_redone"]),
              _num(fault["world_size_after"]), _cell(notes)]
     return "| " + " | ".join(str(cell) for cell in cells) + " |"
 

@@ -3,7 +3,8 @@
 :class:`MotoServer` is moto's S3 server in a subprocess of its own session (the tests use it
 too, through ``tests/fixtures/s3_proc.py``), serving one request at a time so that conditional
 writes (``If-None-Match: *``, the manifest's commit) are atomic as on S3 (see :func:`serve`).
-``pause()``/``resume()`` (SIGSTOP/SIGCONT) keep the objects while requests hang. moto keeps objects in memory only: stopping it loses every checkpoint, which no real outage
+``pause()``/``resume()`` (SIGSTOP/SIGCONT) keep the objects while requests hang. moto keeps objects in memory
+only: stopping it loses every checkpoint, which no real outage
 does. So the job never talks to moto directly but through a :class:`StorageProxy`, a TCP proxy
 on 127.0.0.1 that a fault can switch
 
@@ -80,7 +81,7 @@ class MotoServer:
     @property
     def pid(self) -> int | None:
         """The process id while the server runs, else ``None``."""
-        return self._proc.pid if self.running else None
+        return self._proc.pid if self._proc is not None and self.running else None
 
     @property
     def running(self) -> bool:
@@ -94,7 +95,7 @@ class MotoServer:
     def start(self, timeout: float = 30.0) -> None:
         """Start the process, wait until it answers, create the bucket."""
         if self.running:
-            raise S3ProcessError("moto server on port %d is already running (pid %d)" % (self.port, self.pid))
+            raise S3ProcessError("moto server on port %d is already running (pid %s)" % (self.port, self.pid))
         self._launch()
         self._wait_ready(time.monotonic() + timeout)
         self._create_bucket()
@@ -118,7 +119,9 @@ class MotoServer:
             if self.answers():
                 return
             time.sleep(_POLL_INTERVAL_S)
-        raise S3ProcessError("moto server at %s did not answer before the deadline; log tail:\n%s" % (self.endpoint, self.log_tail()))
+        raise S3ProcessError(
+            "moto server at %s did not answer before the deadline; log tail:\n%s" % (self.endpoint, self.log_tail())
+        )
 
     def answers(self) -> bool:
         """One ``GET /moto-api/`` probe."""

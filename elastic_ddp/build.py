@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ class WeightedLoss:
     """How many units the mean is over (0 for an empty micro-batch)."""
 
 
-LossFn = Callable[[Any, Any], Union[torch.Tensor, WeightedLoss]]
+LossFn = Callable[[Any, Any], torch.Tensor | WeightedLoss]
 """(outputs, targets) -> per-sample losses of shape [n] (no reduction), or a :class:`WeightedLoss`."""
 
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]

@@ -500,7 +500,10 @@ def _leaf_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Any]]:
 
 
 def _default_of(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    factory: Any = f.default_factory
+    return factory()
 
 
 def _section_defaults(config_class: type) -> dict[str, Any]:

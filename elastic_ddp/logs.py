@@ -73,12 +73,12 @@ class _MainOnly(logging.LoggerAdapter):
         super().__init__(logger, {})
         self.rank = rank
 
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging's API name
+    def isEnabledFor(self, level: int) -> bool:
         return self.rank == 0 and self.logger.isEnabledFor(level)
 
     def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
         if self.isEnabledFor(level):
-            self.logger.log(level, msg, *args, stacklevel=2, **kwargs)  # type: ignore[arg-type]
+            self.logger.log(level, msg, *args, stacklevel=2, **kwargs)
 
 
 def main_only(logger: logging.Logger, rank: int) -> logging.LoggerAdapter:

@@ -20,7 +20,7 @@ class MetricsWriter:
         self._file: IO[str] | None = None
         if self.path:
             os.makedirs(log_dir, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the writer's life, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:

@@ -44,6 +44,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic_ddp.entry")
 """What the server imports before it forks anything."""
@@ -66,7 +67,7 @@ def _log(message: str) -> None:
 # -- wire format: length-prefixed JSON, file descriptors alongside the request --------------
 
 
-def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def _send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
     body = json.dumps(message).encode()
     data = struct.pack("!I", len(body)) + body
     if fds:
@@ -127,7 +128,7 @@ def start_server(agent_pid: int, script: str, env: dict[str, str] | None = None)
     The server holds none of the caller's files (a pipe it held would never see EOF)."""
     env = dict(os.environ if env is None else env)
     address = server_address(agent_pid, script, env.get(PRELOAD_ENV, ""))
-    return subprocess.Popen(  # noqa: S603 - our own module, the same interpreter
+    return subprocess.Popen(
         [sys.executable, "-u", "-m", "elastic_ddp.prefork", "--serve", address[1:], str(agent_pid), script],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
@@ -218,7 +219,7 @@ def _die_by(signum: int) -> None:
 
 
 def _exec_directly(argv: list[str]) -> int:
-    unbuffered = ["-u"] if sys.stdout.write_through else []  # as torchrun started this launcher
+    unbuffered = ["-u"] if getattr(sys.stdout, "write_through", False) else []  # as torchrun started this launcher
     os.execv(sys.executable, [sys.executable, *unbuffered, *argv])
     return 1  # not reached
 

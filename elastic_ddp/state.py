@@ -173,7 +173,8 @@ class TrainState:
             model = replicated.get("model")
             problems += _shape_mismatches(model if isinstance(model, dict) else {}, self.model.state_dict())
             wanted = [*self.extra] + (["scheduler"] if self.scheduler is not None else [])
-            problems += [f"the checkpoint holds no state for {name!r}" for name in wanted if not isinstance(replicated.get(name), dict)]
+            missing = [name for name in wanted if not isinstance(replicated.get(name), dict)]
+            problems += [f"the checkpoint holds no state for {name!r}" for name in missing]
         if problems:
             raise IncompatibleCheckpointError(
                 f"checkpoint at step {meta.get('step')} cannot be resumed by this run:\n  " + "\n  ".join(problems)

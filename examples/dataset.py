@@ -9,9 +9,8 @@ launch) builds the identical dataset in a few milliseconds. Each sample is retur
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset
-
 from config import DataConfig, ModelConfig
+from torch.utils.data import Dataset
 
 
 class TeacherDataset(Dataset):

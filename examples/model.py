@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from config import ModelConfig
+from torch import nn
 
 
 def build_model(config: ModelConfig) -> nn.Module:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from config import MLPConfig
 from dataset import make_datasets
-from elastic_ddp.config import config_from_args
-from elastic_ddp.entry import Built, run_training
 from faults import faulty_loss
 from model import build_model
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from elastic_ddp.config import config_from_args
+from elastic_ddp.entry import Built, run_training
 
 
 def build(config: MLPConfig) -> Built:

@@ -94,19 +94,20 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
 
 
 def encode_chunks(flat: Flat) -> Iterator[bytes | memoryview]:
     """The file's bytes as a stream of chunks (tensor data is not copied). Tensors must be contiguous CPU tensors."""
-    table = []
+    table: list[dict[str, Any]] = []
     offset = 0
     for tensor in flat.tensors:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("encode_chunks needs contiguous CPU tensors (stage them first)")
         offset = _aligned(offset)
         nbytes = tensor.numel() * tensor.element_size()
-        table.append({"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        table.append({"dtype": dtype, "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
         offset += nbytes
     header = json.dumps({"tree": flat.tree, "tensors": table}, separators=(",", ":")).encode()
     start = _aligned(len(MAGIC) + _LENGTH.size + len(header))

@@ -18,11 +18,11 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import queue
-import threading
 import posixpath
+import queue
 import shutil
 import sys
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager

@@ -165,12 +165,12 @@ class EtcdRendezvousSettings:
         use_tls = _protocol(config, endpoint, use_tls, issues)
         _check_run_id(run_id, issues)
         _check_unknown_keys(config, issues)
-        ints = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
+        ints: dict[str, Any] = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
         ttl = _positive_int(config, "ttl", DEFAULT_TTL_S, issues)
         connect_timeout = _positive_int(config, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, issues)
         read_timeout = _read_timeout(config, ints["join_timeout"], issues)
         _check_ttl(config, ttl, ints, issues)
-        tls = _tls_files(config, issues)
+        tls: dict[str, Any] = _tls_files(config, issues)
         user, password = _credentials(config, issues)
         key_prefix = _key_prefix(config, issues)
         if issues:

@@ -188,11 +188,11 @@ class EtcdStore(dist.Store):
             return desired
         return outcome.current.value if outcome.current is not None else expected
 
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 - pybind trampoline name
+    def deleteKey(self, key: str) -> bool:
         """Delete ``key``; ``True`` if it existed."""
         return self._client.delete(self._key(key))
 
-    def getNumKeys(self) -> int:  # noqa: N802 - pybind trampoline name
+    def getNumKeys(self) -> int:
         """How many keys this store holds (all rounds)."""
         return self._client.count_prefix(self._prefix)
 
@@ -221,12 +221,15 @@ class EtcdStore(dist.Store):
         if time.monotonic() >= deadline:
             raise EtcdStoreTimeoutError(
                 "etcd store timed out after %s trying to %s key(s) %s under %s on %s"
-                % (self.timeout, action, ", ".join(keys), self.prefix, ",".join(self._client.endpoints))
+                % (self._store_timeout(), action, ", ".join(keys), self.prefix, ",".join(self._client.endpoints))
             )
+
+    def _store_timeout(self) -> timedelta:
+        return self.timeout  # type: ignore[attr-defined]  # a pybind property torch's stubs omit
 
     def _deadline(self, timeout: timedelta | None = None) -> float:
         """``now + timeout`` (default: the store timeout); a zero timeout means no deadline, as in c10d."""
-        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        seconds = (self._store_timeout() if timeout is None else timeout).total_seconds()
         return time.monotonic() + seconds if seconds > 0 else math.inf
 
     def _key(self, key: str) -> bytes:

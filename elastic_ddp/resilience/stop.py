@@ -100,7 +100,7 @@ class SpotNoticePoller:
         """One poll: the notice text, or None when there is none (or the endpoint failed)."""
         request = urllib.request.Request(self.url, headers={"Metadata-Flavor": "Google"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - URL is config
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 body = response.read(4096).decode("utf-8", "replace").strip()
         except urllib.error.HTTPError as exc:
             if exc.code != 404:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)
     ddp = DistributedDataParallel(model)

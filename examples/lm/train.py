@@ -39,16 +39,16 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from corpus import Splits, make_splits
+from gpt import GPT, parameter_count, parameter_groups
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import default_collate
 
-from corpus import Splits, make_splits
 from elastic_ddp.config import OptimConfig, Problems, TrainConfig, config_from_args, not_fingerprinted
 from elastic_ddp.entry import Built, run_training
-from gpt import GPT, parameter_count, parameter_groups
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # examples/, for the shared fault hook
-from faults import faulty_loss  # noqa: E402
+from faults import faulty_loss
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from elastic_ddp.data import ElasticSampler  # noqa: E402 - after the examples directory is importable
+from elastic_ddp.data import ElasticSampler
 
 _load_state_dict = ElasticSampler.load_state_dict
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.checkpoint.manager import Staged
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
+from elastic_ddp.checkpoint.manager import Staged
 from elastic_ddp.checkpoint.storage import LocalStorage
 from elastic_ddp.errors import CheckpointError
 from elastic_ddp.state import TrainState, model_digest
@@ -191,7 +191,8 @@ def test_a_failed_background_copy_fails_the_save_and_keeps_the_previous_checkpoi
     advance(state)
     saver.save(state)
     advance(state)  # the step is not held forever by a copy that failed
-    with pytest.raises(CheckpointError, match="step 2 .* not committed: rank 0 could not stage its state: RuntimeError: copy failed"):
+    expected = "step 2 .* not committed: rank 0 could not stage its state: RuntimeError: copy failed"
+    with pytest.raises(CheckpointError, match=expected):
         saver.wait()
     assert [info.step for info in manager.list() if info.committed] == [1]
     saver.close()

@@ -15,8 +15,8 @@ from elastic_ddp.config import TrainConfig, fingerprint
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.errors import (
     CheckpointConflictError,
-    CheckpointError,
     CheckpointCorruptError,
+    CheckpointError,
     IncompatibleCheckpointError,
     NoValidCheckpointError,
 )

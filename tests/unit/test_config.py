@@ -35,7 +35,8 @@ def test_every_field_is_a_flag_with_help_text() -> None:
 
 def test_documented_flag_names_exist() -> None:
     config = config_from_args(
-        ["--max-steps", "7", "--checkpoint-dir", "s3://b/x", "--checkpoint-every", "3", "--seed", "9", "--global-batch-size", "16"]
+        ["--max-steps", "7", "--checkpoint-dir", "s3://b/x", "--checkpoint-every", "3", "--seed", "9",
+         "--global-batch-size", "16"]
     )
     assert (config.max_steps, config.checkpoint.dir, config.checkpoint.every, config.seed, config.global_batch_size) == (
         7, "s3://b/x", 3, 9, 16,

@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.errors import EtcdConnectionError
+from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_PREFIX, EtcdStore, EtcdStoreValueError
 from tests.fixtures.fake_etcd import FakeEtcdClient
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -43,7 +42,7 @@ class Metadata(BaseHTTPRequestHandler):
     status = 404
     body = b""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's API name
+    def do_GET(self) -> None:
         self.send_response(self.status)
         self.send_header("Content-Length", str(len(self.body)))
         self.end_headers()

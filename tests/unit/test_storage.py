@@ -27,10 +27,10 @@ from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.storage import (
     READ_CHUNK_BYTES,
     CheckpointStorageError,
-    WriteBehind,
     FileRecord,
     LocalStorage,
     Storage,
+    WriteBehind,
     open_storage,
 )
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
@@ -356,7 +356,9 @@ def test_s3_upload_failing_with_parts_in_flight_is_aborted_and_a_whole_one_reads
     ("sizes", "part", "expected"),
     [([], 4, [0]), ([3], 4, [3]), ([4], 4, [4]), ([4, 4], 4, [4, 4]), ([1, 9, 2], 4, [4, 4, 4]), ([10], 4, [4, 4, 2])],
 )
-def test_upload_parts_regroup_chunks_into_equal_parts_with_a_shorter_last(sizes: list[int], part: int, expected: list[int]) -> None:
+def test_upload_parts_regroup_chunks_into_equal_parts_with_a_shorter_last(
+    sizes: list[int], part: int, expected: list[int]
+) -> None:
     chunks = [bytes([index]) * size for index, size in enumerate(sizes)]
     parts = list(_parts(iter(chunks), part))
     assert [len(p) for p in parts] == expected
@@ -447,7 +449,7 @@ def test_s3_writes_to_a_hung_endpoint_fail_within_the_configured_timeouts(s3_ser
 def _record_error(call: Callable[[], object], errors: list[BaseException]) -> None:
     try:
         call()
-    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+    except BaseException as exc:
         errors.append(exc)
 
 
