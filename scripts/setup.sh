@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install elastic_ddp with its test and chaos extras.
 # torch==2.13.0 is installed first, on its own, so that pip takes the CPU build from the local
-# wheel directory instead of resolving `torch>=2.4` to a multi-GB CUDA build.
+# wheel directory instead of resolving pyproject.toml's `torch>=2.13,<2.14` to a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
