@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, default_collate
 
+from elastic_ddp._torch_compat import foreach_div_
 from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
@@ -468,7 +469,7 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         weight = float(total)  # one read (on CUDA, one synchronisation)
         if grads and weight > 0:
-            torch._foreach_div_(grads, weight)
+            foreach_div_(grads, weight)
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:

@@ -71,7 +71,8 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol, strip_protocol
 
-from elastic_ddp.checkpoint.storage import Checksum, CheckpointStorageError, FileRecord, basename
+from elastic_ddp._compat import IncompatibleLibraryError
+from elastic_ddp.checkpoint.storage import CheckpointStorageError, Checksum, FileRecord, basename
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,14 @@ class FsspecStorage:
                 "hides checkpoints that other processes committed"
             )
         try:
+            if self.protocol in S3_PROTOCOLS:
+                from elastic_ddp.checkpoint import _s3fs_compat  # noqa: F401 - checks what this module relies on in s3fs
             fs = fsspec.filesystem(self.protocol, **{**options, **_FIXED_OPTIONS})
             if self.protocol in S3_PROTOCOLS:
                 fs.connect()  # builds the client (no request yet): a bad option fails here, not mid-save
             return fs
+        except IncompatibleLibraryError as exc:
+            raise CheckpointError(f"cannot open {self.root}: {exc}") from exc
         except ImportError as exc:
             raise CheckpointError(
                 f"cannot open {self.root}: {exc}. For s3:// URIs: pip install 'elastic-ddp[s3]'"
@@ -167,6 +172,8 @@ class FsspecStorage:
 
     def _upload_parts(self, bucket: str, key: str, upload_id: str, parts: Iterable[bytes]) -> list[dict[str, Any]]:
         """Upload the parts, at most ``max_concurrency`` at once, on fsspec's event loop; their numbers and ETags."""
+        from elastic_ddp.checkpoint._s3fs_compat import call_s3  # s3fs is optional: S3 only
+
         fs = self._fs
         most = max(int(getattr(fs, "max_concurrency", 0) or 0) or PARTS_IN_FLIGHT, 1)
         in_flight: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
@@ -180,7 +187,7 @@ class FsspecStorage:
             for number, body in enumerate(parts, start=1):
                 if len(in_flight) >= most:
                     finish_oldest()
-                call = fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+                call = call_s3(fs, "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
                 in_flight.append((number, asyncio.run_coroutine_threadsafe(call, fs.loop)))
             while in_flight:
                 finish_oldest()
@@ -274,9 +281,8 @@ class FsspecStorage:
     def _errors(self, action: str, path: str) -> Iterator[None]:
         """Raise the client's exceptions as the storage errors of the protocol, naming the URI."""
         try:
-            if self.protocol in S3_PROTOCOLS and self._fs.s3 is not self._client:
-                self._client = self._fs.s3  # s3fs builds a new client when it refreshes its session
-                _send_bodies_at_once(self._client)
+            if self.protocol in S3_PROTOCOLS:
+                self._prepare_client()
             yield
         except FileNotFoundError as exc:
             if action in ("write", "create"):  # S3 NoSuchBucket: nothing can be written there
@@ -287,6 +293,16 @@ class FsspecStorage:
                 f"cannot {action} {path}: {type(exc).__name__}: {exc}. Check that the endpoint is reachable and "
                 "the credentials (--checkpoint-storage-options or the AWS_* environment) are valid"
             )) from exc
+
+    def _prepare_client(self) -> None:
+        """Apply :func:`_send_bodies_at_once` to s3fs's client, again whenever s3fs built a new one
+        (it does when it refreshes its session)."""
+        from elastic_ddp.checkpoint._s3fs_compat import client  # s3fs is optional: S3 only
+
+        current = client(self._fs)
+        if current is not self._client:
+            self._client = current
+            _send_bodies_at_once(current)
 
     def _redact(self, message: str) -> str:
         for secret in self._secrets:

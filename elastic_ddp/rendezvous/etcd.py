@@ -82,6 +82,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
+)
+
+from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
     _Action,
     _DistributedRendezvousOpExecutor,
     _NodeDesc,
@@ -89,7 +92,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
     _RendezvousState,
 )
-
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper

@@ -1,0 +1,109 @@
+"""torch's dynamic-rendezvous internals that the ``etcd-v3`` handler (:mod:`elastic_ddp.rendezvous.etcd`) builds on.
+
+The handler subclasses torch's ``DynamicRendezvousHandler`` and its operation executor, runs
+torch's exit operation to leave a round, and reads the rendezvous state; none of that is torch's
+public API. Every private name it uses comes from here, under torch's own name, and importing
+this module checks them all (with the attributes the subclasses read and the signatures they call
+or override), raising :class:`~elastic_ddp._compat.IncompatibleLibraryError` in one line when one
+changed. Only the rendezvous package imports this module: see :mod:`elastic_ddp._compat`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from elastic_ddp._compat import Behaviour, Private, check
+from elastic_ddp._torch_compat import SUPPORTED
+
+_HANDLER = "etcd.EtcdRendezvousHandler"
+_EXECUTOR = "etcd._OpExecutor"
+
+
+def _deadlines_are_timezone_aware(module: ModuleType) -> bool:
+    """Whether torch sets a round's deadline from ``datetime.now(timezone.utc)`` (2.13), not
+    from the naive ``datetime.utcnow()`` of earlier releases."""
+    names = module._DistributedRendezvousOpExecutor._add_to_participants.__code__.co_names
+    return "timezone" in names and "utcnow" not in names
+
+
+REQUIRED = (
+    Private(
+        name="_Action",
+        attributes=("SYNC",),
+        used_in=f"{_EXECUTOR}.run: a participant told to re-read the state waits for the last call instead",
+    ),
+    Private(
+        name="_DistributedRendezvousOpExecutor",
+        parameters=("node", "state_holder", "settings"),
+        attributes=("_node", "_state", "_state_holder", "_settings"),
+        used_in=f"{_EXECUTOR} subclasses it; {_HANDLER} builds one",
+    ),
+    Private(
+        name="_DistributedRendezvousOpExecutor.run",
+        parameters=("self", "state_handler", "deadline", "update_deadline"),
+        used_in=f"{_EXECUTOR}.run overrides it; {_HANDLER}.leave runs the exit operation with it",
+    ),
+    Private(
+        name="_DistributedRendezvousOpExecutor._record",
+        parameters=("self", "message", "node_state"),
+        used_in=f"{_EXECUTOR}._record overrides it (events named without inspect.stack())",
+    ),
+    Private(
+        name="_NodeDesc",
+        attributes=("addr", "pid", "local_id"),
+        used_in="etcd._record_event: the node an event is about",
+    ),
+    Private(
+        name="_RendezvousContext",
+        parameters=("node", "state", "settings"),
+        attributes=("state",),
+        used_in=f"{_EXECUTOR}.run: a fresh context after each re-read of the state",
+    ),
+    Private(
+        name="_RendezvousExitOp",
+        parameters=(),
+        used_in=f"{_HANDLER}.leave: the node takes itself out of the round",
+    ),
+    Private(
+        name="_RendezvousState",
+        attributes=("round", "complete", "deadline", "participants"),
+        used_in=f"{_HANDLER} (leave, _left_behind) and etcd._pause_until_last_call_ends read it",
+    ),
+    Private(
+        name="_RendezvousStateHolder",
+        attributes=("state", "sync"),
+        used_in=f"{_EXECUTOR}.run and {_HANDLER} read the state through it",
+    ),
+    Private(
+        name="DynamicRendezvousHandler",
+        attributes=("_this_node", "_settings", "_state_holder", "_op_executor"),
+        used_in=f"{_HANDLER} subclasses it, reads these and replaces _op_executor with an {_EXECUTOR}",
+    ),
+    Private(
+        name="DynamicRendezvousHandler._stop_heartbeats",
+        parameters=("self",),
+        used_in=f"{_HANDLER}.leave: no heartbeat after the node left",
+    ),
+    Private(
+        name="DynamicRendezvousHandler._record",
+        parameters=("self", "message", "node_state", "rank"),
+        used_in=f"{_HANDLER}._record overrides it (events named without inspect.stack())",
+    ),
+    Behaviour(
+        description="rendezvous deadlines are timezone-aware (datetime.now(timezone.utc))",
+        holds=_deadlines_are_timezone_aware,
+        used_in="etcd._pause_until_last_call_ends subtracts datetime.now(timezone.utc) from the round's deadline",
+    ),
+)
+
+check(dynamic_rendezvous, REQUIRED, version=torch.__version__, supported=SUPPORTED)
+
+_Action = dynamic_rendezvous._Action
+_DistributedRendezvousOpExecutor = dynamic_rendezvous._DistributedRendezvousOpExecutor
+_NodeDesc = dynamic_rendezvous._NodeDesc
+_RendezvousContext = dynamic_rendezvous._RendezvousContext
+_RendezvousExitOp = dynamic_rendezvous._RendezvousExitOp
+_RendezvousState = dynamic_rendezvous._RendezvousState

@@ -1,0 +1,253 @@
+"""The other libraries' private names elastic_ddp relies on, pinned, and the one-line error when one changes.
+
+A torch or s3fs upgrade that moves any of them fails here first, naming the name: the signatures
+below are the installed ones, written out. The compat modules check the same names (parameter names
+only) when they are imported; the tests at the end run that check against stub modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import s3fs
+import torch
+from packaging.requirements import Requirement
+from torch.distributed.elastic import events
+from torch.distributed.elastic.events import handlers as event_handlers
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from elastic_ddp import _torch_compat
+from elastic_ddp import checkpoint as checkpoint_package
+from elastic_ddp._compat import (
+    Behaviour,
+    IncompatibleLibraryError,
+    Private,
+    _resolve,
+    check,
+)
+from elastic_ddp.checkpoint import _s3fs_compat
+from elastic_ddp.checkpoint.storage import open_storage
+from elastic_ddp.errors import CheckpointError, ElasticDDPError
+from elastic_ddp.prefork import PRELOAD
+from elastic_ddp.rendezvous import _torch_compat as rdzv_torch_compat
+from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+SIGNATURES = {
+    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor"): "(node, state_holder, settings)",
+    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor.run"): "(self, state_handler, deadline, update_deadline=None)",
+    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor._record"): "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>)",
+    (dynamic_rendezvous, "_RendezvousContext"): "(node, state, settings)",
+    (dynamic_rendezvous, "_RendezvousExitOp"): "()",
+    (dynamic_rendezvous, "_RendezvousExitOp.__call__"): "(self, ctx, deadline)",
+    (dynamic_rendezvous, "DynamicRendezvousHandler._stop_heartbeats"): "(self)",
+    (dynamic_rendezvous, "DynamicRendezvousHandler._record"): (
+        "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>, rank=None)"
+    ),
+    (s3fs, "S3FileSystem._call_s3"): "(self, method, *akwarglist, **kwargs)",
+}
+"""What elastic_ddp calls or overrides, as the supported releases define it (annotations left out).
+Of s3fs's ``_pipe_file`` only the ``mode`` parameter matters: ``_s3fs_compat`` checks that."""
+
+COMPAT_MODULES = [
+    (_torch_compat, torch),
+    (rdzv_torch_compat, dynamic_rendezvous),
+    (_s3fs_compat, s3fs),
+]
+
+
+def _without_annotations(function: Any) -> str:
+    signature = inspect.signature(function)
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty) for parameter in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
+
+
+@pytest.mark.parametrize(("module", "name"), list(SIGNATURES), ids=[name for _, name in SIGNATURES])
+def test_private_signatures_are_the_ones_elastic_ddp_was_written_against(module: ModuleType, name: str) -> None:
+    assert _without_annotations(_resolve(module, name)) == SIGNATURES[module, name]
+
+
+@pytest.mark.parametrize(("compat", "module"), COMPAT_MODULES, ids=[compat.__name__ for compat, _ in COMPAT_MODULES])
+def test_every_name_a_compat_module_checks_is_there(compat: ModuleType, module: ModuleType) -> None:
+    assert [problem for required in compat.REQUIRED for problem in required.problems(module)] == []
+
+
+def test_rendezvous_compat_exports_torchs_own_objects() -> None:
+    for name in ("_Action", "_DistributedRendezvousOpExecutor", "_NodeDesc", "_RendezvousContext",
+                 "_RendezvousExitOp", "_RendezvousState"):  # fmt: skip
+        assert getattr(rdzv_torch_compat, name) is getattr(dynamic_rendezvous, name)
+
+
+def test_torch_sets_timezone_aware_round_deadlines() -> None:
+    """What the compat module infers from torch's code, checked by running it: the first participant
+    of an open round sets the last call's deadline, in UTC with a time zone."""
+    settings = dynamic_rendezvous.RendezvousSettings(
+        "job", 1, 2, dynamic_rendezvous.RendezvousTimeout(), keep_alive_interval=timedelta(seconds=5),
+        keep_alive_max_attempt=3,
+    )  # fmt: skip
+    node = dynamic_rendezvous._NodeDesc("127.0.0.1", 1, 0)
+    executor = dynamic_rendezvous._DistributedRendezvousOpExecutor(node, None, settings)
+    executor._state = state = dynamic_rendezvous._RendezvousState()
+    executor._add_to_participants()
+    assert state.deadline is not None and state.deadline.utcoffset() == timedelta(0)
+
+
+def test_etcd_handler_shadows_no_private_name_of_torchs_handler() -> None:
+    """An attribute torch adds under one of our names would silently be replaced by ours (or ours by it)."""
+    overridden = {"_record"}  # on purpose: see EtcdRendezvousHandler._record
+    ours = {name for name in vars(EtcdRendezvousHandler) if name.startswith("_") and not name.startswith("__")}
+    ours -= {"_abc_impl"}  # every subclass of an ABC has its own
+    ours |= {"_shut_down"}  # set by EtcdRendezvousHandler.__init__
+    torch_handler = dynamic_rendezvous.DynamicRendezvousHandler
+    torch_names = set(dir(torch_handler)) | {name for cls in torch_handler.__mro__ for name in inspect.get_annotations(cls)}
+    assert (ours - overridden) & torch_names == set()
+
+
+def test_private_names_the_tests_use_are_there() -> None:
+    """tests/unit/test_rendezvous_backend.py collects torch's rendezvous events through these."""
+    assert isinstance(event_handlers._log_handlers, dict)
+    assert isinstance(events._events_loggers, dict)
+
+
+def test_prefork_preloads_modules_that_exist() -> None:
+    """prefork imports torch._dynamo (private) ahead of the fork; a missing one would disable preforking."""
+    assert [name for name in PRELOAD if importlib.util.find_spec(name) is None] == []
+
+
+def _declared(*, extra: str | None = None) -> dict[str, Requirement]:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    lines = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
+    return {requirement.name: requirement for requirement in map(Requirement, lines)}
+
+
+def test_supported_ranges_are_the_declared_ones() -> None:
+    """The range an incompatible library's error names is the one pip enforces."""
+    assert _declared()["torch"] == Requirement(_torch_compat.SUPPORTED)
+    assert _declared(extra="s3")["s3fs"] == _declared(extra="test")["s3fs"] == Requirement(_s3fs_compat.SUPPORTED)
+
+
+def test_the_installed_versions_are_supported() -> None:
+    """What this run tests is inside the declared range (CI installs the torch that scripts/setup.sh names)."""
+    assert Requirement(_torch_compat.SUPPORTED).specifier.contains(torch.__version__)
+    assert Requirement(_s3fs_compat.SUPPORTED).specifier.contains(s3fs.__version__)
+
+
+# ---------------------------------------------------------------------------
+# The check itself, on stub modules
+
+
+def _stub(module: ModuleType, *, without: str = "", **replaced: Any) -> ModuleType:
+    """A module of the same name holding the same objects, less ``without``, some ``replaced``."""
+    stub = ModuleType(module.__name__)
+    stub.__dict__.update({name: value for name, value in vars(module).items() if name != without})
+    stub.__dict__.update(replaced)
+    return stub
+
+
+def _failure(module: ModuleType, requirements: Any, version: str = "9.9.9") -> str:
+    with pytest.raises(IncompatibleLibraryError) as info:
+        check(module, requirements, version=version, supported="torch>=2.13,<2.14")
+    assert isinstance(info.value, ImportError) and isinstance(info.value, ElasticDDPError)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_missing_name_is_one_line_naming_the_version_the_name_and_the_range() -> None:
+    stub = _stub(dynamic_rendezvous, without="_RendezvousExitOp")
+    message = _failure(stub, rdzv_torch_compat.REQUIRED)
+    assert message == (
+        "elastic_ddp supports torch>=2.13,<2.14, and the installed torch 9.9.9 lacks what it relies on: "
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousExitOp is missing. "
+        "Install a supported version: pip install 'torch>=2.13,<2.14'"
+    )
+
+
+def test_every_problem_is_in_the_one_message() -> None:
+    class Executor(dynamic_rendezvous._DistributedRendezvousOpExecutor):
+        def run(self, state_handler: Any, deadline: float) -> None:  # update_deadline gone
+            pass
+
+    stub = _stub(dynamic_rendezvous, without="_NodeDesc", _DistributedRendezvousOpExecutor=Executor)
+    message = _failure(stub, rdzv_torch_compat.REQUIRED)
+    assert "dynamic_rendezvous._NodeDesc is missing" in message
+    assert "_DistributedRendezvousOpExecutor.run takes (self, state_handler, deadline), " \
+           "not (self, state_handler, deadline, update_deadline)" in message  # fmt: skip
+
+
+def test_a_missing_attribute_is_named() -> None:
+    class State:
+        round: int
+        complete: bool
+        participants: dict
+
+    message = _failure(_stub(dynamic_rendezvous, _RendezvousState=State), rdzv_torch_compat.REQUIRED)
+    assert "_RendezvousState.deadline is missing" in message
+
+
+def test_naive_deadlines_are_refused() -> None:
+    """torch 2.4 and 2.5 set deadlines from the naive datetime.utcnow(); etcd.py subtracts an aware now() from them."""
+    from datetime import datetime
+
+    class Executor(dynamic_rendezvous._DistributedRendezvousOpExecutor):
+        def _add_to_participants(self) -> None:
+            self._state.deadline = datetime.utcnow() + self._settings.timeout.last_call  # noqa: DTZ003 - on purpose
+
+    stub = _stub(dynamic_rendezvous, _DistributedRendezvousOpExecutor=Executor)
+    assert "rendezvous deadlines are timezone-aware" in _failure(stub, rdzv_torch_compat.REQUIRED)
+
+
+def test_a_behaviour_whose_probe_finds_nothing_does_not_hold() -> None:
+    behaviour = Behaviour(description="it flies", used_in="nowhere", holds=lambda module: module.wings)
+    assert "torch fails a requirement: it flies" in _failure(ModuleType("torch"), [behaviour])
+
+
+def test_a_builtin_without_signature_is_reported_not_crashed_on() -> None:
+    private = Private(name="_foreach_div_", parameters=("self", "other"), used_in="nowhere")
+    assert "torch._foreach_div_ takes (?)" in _failure(torch, [private])
+
+
+@pytest.mark.parametrize(
+    ("compat", "module", "name"),
+    [
+        ("elastic_ddp._torch_compat", torch, "_foreach_div_"),
+        ("elastic_ddp.rendezvous._torch_compat", dynamic_rendezvous, "_RendezvousExitOp"),
+        ("elastic_ddp.checkpoint._s3fs_compat", s3fs.S3FileSystem, "_call_s3"),
+    ],
+)
+def test_importing_a_compat_module_runs_the_check(
+    monkeypatch: pytest.MonkeyPatch, compat: str, module: Any, name: str
+) -> None:
+    monkeypatch.delattr(module, name)
+    monkeypatch.delitem(sys.modules, compat)
+    with pytest.raises(IncompatibleLibraryError, match=f"{name} is missing"):
+        importlib.import_module(compat)
+
+
+def test_s3_storage_reports_an_incompatible_s3fs_as_a_checkpoint_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening an s3:// root checks s3fs before anything is sent; the storage contract's error names the root."""
+
+    async def pipe_file_without_mode(self: Any, path: str, data: bytes, **kwargs: Any) -> None:
+        pass
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_pipe_file", pipe_file_without_mode)
+    monkeypatch.delitem(sys.modules, "elastic_ddp.checkpoint._s3fs_compat")
+    monkeypatch.delattr(checkpoint_package, "_s3fs_compat")
+    with pytest.raises(CheckpointError, match=r"^cannot open s3://bucket/run: elastic_ddp supports s3fs>=2024\.12") as info:
+        open_storage("s3://bucket/run")
+    assert "pipe_file(mode='create') is a create-only PUT" in str(info.value)
+    assert isinstance(info.value.__cause__, IncompatibleLibraryError)
