@@ -20,7 +20,7 @@ fails there first.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -84,18 +84,19 @@ class Behaviour:
 Requirement = Private | Behaviour
 
 
-def check(module: ModuleType, requirements: Iterable[Requirement], *, version: str, supported: str) -> None:
-    """Raise :class:`IncompatibleLibraryError` when ``module`` misses any of ``requirements``.
+def check(required: Mapping[ModuleType, Iterable[Requirement]], *, version: str, supported: str) -> None:
+    """Raise :class:`IncompatibleLibraryError`, naming every problem, when a module of one library
+    misses any of what elastic_ddp relies on in it.
 
     Args:
-        module: the library's module that holds the names.
-        requirements: what elastic_ddp relies on in it.
+        required: for each module of the library, what elastic_ddp relies on in it.
         version: the installed version of the library, for the message.
         supported: the requirement specifier elastic_ddp declares, e.g. ``torch>=2.13,<2.14``.
     """
-    problems = [problem for requirement in requirements for problem in requirement.problems(module)]
+    problems = [problem for module, requirements in required.items() for requirement in requirements
+                for problem in requirement.problems(module)]  # fmt: skip
     if problems:
-        library = module.__name__.partition(".")[0]
+        library = next(iter(required)).__name__.partition(".")[0]
         raise IncompatibleLibraryError(
             f"elastic_ddp supports {supported}, and the installed {library} {version} lacks what it relies on: "
             f"{'; '.join(problems)}. Install a supported version: pip install '{supported}'"

@@ -23,6 +23,6 @@ REQUIRED = (
     ),
 )
 
-check(torch, REQUIRED, version=torch.__version__, supported=SUPPORTED)
+check({torch: REQUIRED}, version=torch.__version__, supported=SUPPORTED)
 
 foreach_div_ = torch._foreach_div_

@@ -55,7 +55,7 @@ REQUIRED = (
     ),
 )
 
-check(s3fs, REQUIRED, version=s3fs.__version__, supported=SUPPORTED)
+check({s3fs: REQUIRED}, version=s3fs.__version__, supported=SUPPORTED)
 
 
 def call_s3(fs: s3fs.S3FileSystem, method: str, **kwargs: Any) -> Coroutine[Any, Any, dict[str, Any]]:

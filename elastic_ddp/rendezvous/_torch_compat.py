@@ -1,11 +1,19 @@
-"""torch's dynamic-rendezvous internals that the ``etcd-v3`` handler (:mod:`elastic_ddp.rendezvous.etcd`) builds on.
+"""torch's elastic internals that the ``etcd-v3`` handler (:mod:`elastic_ddp.rendezvous.etcd`) builds on.
 
 The handler subclasses torch's ``DynamicRendezvousHandler`` and its operation executor, runs
-torch's exit operation to leave a round, and reads the rendezvous state; none of that is torch's
-public API. Every private name it uses comes from here, under torch's own name, and importing
-this module checks them all (with the attributes the subclasses read and the signatures they call
-or override), raising :class:`~elastic_ddp._compat.IncompatibleLibraryError` in one line when one
-changed. Only the rendezvous package imports this module: see :mod:`elastic_ddp._compat`.
+torch's exit operation to leave a round, reads the rendezvous state, and checks in at torchrun's
+exit barrier for an agent ended by a signal; none of that is torch's public API. Every private
+name it uses comes from here, under torch's own name, and importing this module checks them all
+(with the attributes the subclasses read and the signatures they call or override), raising
+:class:`~elastic_ddp._compat.IncompatibleLibraryError` in one line when one changed. Only the
+rendezvous package imports this module: see :mod:`elastic_ddp._compat`.
+
+Two facts cannot be checked on import. The exit barrier's prefix is
+``torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID``, and that module imports
+torch's rendezvous package (which imports this package) before it defines the name, so
+:data:`elastic_ddp.rendezvous.store.EXIT_BARRIER_PREFIX` restates it; and the prefix of a
+round's agents' store is built inside ``DynamicRendezvousHandler._wrap_store``, restated by
+``etcd._round_store_prefix``. ``tests/unit/test_compat.py`` compares both with torch's.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from types import ModuleType
 
 import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.utils import store as store_util
 
 from elastic_ddp._compat import Behaviour, Private, check
 from elastic_ddp._torch_compat import SUPPORTED
@@ -27,6 +36,11 @@ def _deadlines_are_timezone_aware(module: ModuleType) -> bool:
     from the naive ``datetime.utcnow()`` of earlier releases."""
     names = module._DistributedRendezvousOpExecutor._add_to_participants.__code__.co_names
     return "timezone" in names and "utcnow" not in names
+
+
+def _round_stores_are_prefixed_by_run_and_round(module: ModuleType) -> bool:
+    """Whether torch still names a round's agents' store ``torch.rendezvous.<run_id>.<round>``."""
+    return "torch.rendezvous." in module.DynamicRendezvousHandler._wrap_store.__code__.co_consts
 
 
 REQUIRED = (
@@ -97,9 +111,30 @@ REQUIRED = (
         holds=_deadlines_are_timezone_aware,
         used_in="etcd._pause_until_last_call_ends subtracts datetime.now(timezone.utc) from the round's deadline",
     ),
+    Private(
+        name="DynamicRendezvousHandler._wrap_store",
+        parameters=("self", "store"),
+        used_in=f"{_HANDLER}._check_in_at_exit_barrier: the round's store, whose prefix etcd._round_store_prefix restates",
+    ),
+    Behaviour(
+        description="DynamicRendezvousHandler._wrap_store prefixes a round's store torch.rendezvous.<run_id>.<round>",
+        holds=_round_stores_are_prefixed_by_run_and_round,
+        used_in=f"{_HANDLER}._check_in_at_exit_barrier checks in under that prefix",
+    ),
 )
 
-check(dynamic_rendezvous, REQUIRED, version=torch.__version__, supported=SUPPORTED)
+REQUIRED_IN_STORE_UTIL = (
+    Private(
+        name="_NUM_MEMBERS",
+        used_in="store.EXIT_BARRIER_COUNT: the exit barrier's counter, which EtcdStore recognises and a leaving node adds to",
+    ),
+    Private(
+        name="_LAST_MEMBER_CHECKIN",
+        used_in="store.EXIT_BARRIER_DONE: the key the last agent at the exit barrier sets",
+    ),
+)
+
+check({dynamic_rendezvous: REQUIRED, store_util: REQUIRED_IN_STORE_UTIL}, version=torch.__version__, supported=SUPPORTED)
 
 _Action = dynamic_rendezvous._Action
 _DistributedRendezvousOpExecutor = dynamic_rendezvous._DistributedRendezvousOpExecutor
@@ -107,3 +142,5 @@ _NodeDesc = dynamic_rendezvous._NodeDesc
 _RendezvousContext = dynamic_rendezvous._RendezvousContext
 _RendezvousExitOp = dynamic_rendezvous._RendezvousExitOp
 _RendezvousState = dynamic_rendezvous._RendezvousState
+_NUM_MEMBERS = store_util._NUM_MEMBERS
+_LAST_MEMBER_CHECKIN = store_util._LAST_MEMBER_CHECKIN

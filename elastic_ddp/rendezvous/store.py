@@ -35,6 +35,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from elastic_ddp.rendezvous._torch_compat import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
 from elastic_ddp.rendezvous.client import (
     Absent,
     Condition,
@@ -53,9 +54,10 @@ _WATCH_SLICE_S = 10.0
 
 EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"
 """Where torchrun's agent keeps its exit barrier in the (per-round) agents' store: it ``add`` s 1 to
-``<prefix>/num_members`` and waits for ``<prefix>/last_member``, which the last agent sets."""
-EXIT_BARRIER_COUNT = EXIT_BARRIER_PREFIX + "/num_members"
-EXIT_BARRIER_DONE = EXIT_BARRIER_PREFIX + "/last_member"
+``<prefix>/num_members`` and waits for ``<prefix>/last_member``, which the last agent sets. torch's
+``_TERMINAL_STATE_SYNC_ID``, restated: see :mod:`elastic_ddp.rendezvous._torch_compat`."""
+EXIT_BARRIER_COUNT = EXIT_BARRIER_PREFIX + _NUM_MEMBERS
+EXIT_BARRIER_DONE = EXIT_BARRIER_PREFIX + _LAST_MEMBER_CHECKIN
 
 
 class EtcdStoreValueError(EtcdRendezvousError, ValueError):

@@ -7,38 +7,37 @@ only) when they are imported; the tests at the end run that check against stub m
 
 from __future__ import annotations
 
+import dis
 import importlib
 import importlib.util
 import inspect
 import sys
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import s3fs
 import torch
-from packaging.requirements import Requirement
+import torch.distributed as dist
+from packaging import requirements as pep508
 from torch.distributed.elastic import events
+from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.utils import store as store_util
 
 from elastic_ddp import _torch_compat
 from elastic_ddp import checkpoint as checkpoint_package
-from elastic_ddp._compat import (
-    Behaviour,
-    IncompatibleLibraryError,
-    Private,
-    _resolve,
-    check,
-)
+from elastic_ddp._compat import Behaviour, IncompatibleLibraryError, Private, Requirement, _resolve, check
 from elastic_ddp.checkpoint import _s3fs_compat
 from elastic_ddp.checkpoint.storage import open_storage
 from elastic_ddp.errors import CheckpointError, ElasticDDPError
 from elastic_ddp.prefork import PRELOAD
 from elastic_ddp.rendezvous import _torch_compat as rdzv_torch_compat
-from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler
+from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler, _round_store_prefix
+from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EXIT_BARRIER_PREFIX
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,11 +49,14 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 SIGNATURES = {
     (dynamic_rendezvous, "_DistributedRendezvousOpExecutor"): "(node, state_holder, settings)",
     (dynamic_rendezvous, "_DistributedRendezvousOpExecutor.run"): "(self, state_handler, deadline, update_deadline=None)",
-    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor._record"): "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>)",
+    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor._record"): (
+        "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>)"
+    ),
     (dynamic_rendezvous, "_RendezvousContext"): "(node, state, settings)",
     (dynamic_rendezvous, "_RendezvousExitOp"): "()",
     (dynamic_rendezvous, "_RendezvousExitOp.__call__"): "(self, ctx, deadline)",
     (dynamic_rendezvous, "DynamicRendezvousHandler._stop_heartbeats"): "(self)",
+    (dynamic_rendezvous, "DynamicRendezvousHandler._wrap_store"): "(self, store)",
     (dynamic_rendezvous, "DynamicRendezvousHandler._record"): (
         "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>, rank=None)"
     ),
@@ -63,11 +65,12 @@ SIGNATURES = {
 """What elastic_ddp calls or overrides, as the supported releases define it (annotations left out).
 Of s3fs's ``_pipe_file`` only the ``mode`` parameter matters: ``_s3fs_compat`` checks that."""
 
-COMPAT_MODULES = [
-    (_torch_compat, torch),
-    (rdzv_torch_compat, dynamic_rendezvous),
-    (_s3fs_compat, s3fs),
-]
+REQUIRED = {
+    "_torch_compat.REQUIRED": (_torch_compat.REQUIRED, torch),
+    "rendezvous._torch_compat.REQUIRED": (rdzv_torch_compat.REQUIRED, dynamic_rendezvous),
+    "rendezvous._torch_compat.REQUIRED_IN_STORE_UTIL": (rdzv_torch_compat.REQUIRED_IN_STORE_UTIL, store_util),
+    "checkpoint._s3fs_compat.REQUIRED": (_s3fs_compat.REQUIRED, s3fs),
+}
 
 
 def _without_annotations(function: Any) -> str:
@@ -81,9 +84,9 @@ def test_private_signatures_are_the_ones_elastic_ddp_was_written_against(module:
     assert _without_annotations(_resolve(module, name)) == SIGNATURES[module, name]
 
 
-@pytest.mark.parametrize(("compat", "module"), COMPAT_MODULES, ids=[compat.__name__ for compat, _ in COMPAT_MODULES])
-def test_every_name_a_compat_module_checks_is_there(compat: ModuleType, module: ModuleType) -> None:
-    assert [problem for required in compat.REQUIRED for problem in required.problems(module)] == []
+@pytest.mark.parametrize(("requirements", "module"), list(REQUIRED.values()), ids=list(REQUIRED))
+def test_every_name_a_compat_module_checks_is_there(requirements: tuple[Requirement, ...], module: ModuleType) -> None:
+    assert [problem for required in requirements for problem in required.problems(module)] == []
 
 
 def test_rendezvous_compat_exports_torchs_own_objects() -> None:
@@ -106,12 +109,27 @@ def test_torch_sets_timezone_aware_round_deadlines() -> None:
     assert state.deadline is not None and state.deadline.utcoffset() == timedelta(0)
 
 
+def test_exit_barrier_keys_are_torchs() -> None:
+    """The prefix is restated in store.py: torch's agent module cannot be imported from the rendezvous package."""
+    assert EXIT_BARRIER_PREFIX == agent_api._TERMINAL_STATE_SYNC_ID
+    assert EXIT_BARRIER_COUNT == agent_api._TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
+    assert EXIT_BARRIER_DONE == agent_api._TERMINAL_STATE_SYNC_ID + store_util._LAST_MEMBER_CHECKIN
+
+
+def test_round_store_prefix_is_the_one_torch_wraps_the_store_in() -> None:
+    state = SimpleNamespace(round=3)
+    handler = SimpleNamespace(_settings=SimpleNamespace(run_id="job"), _state_holder=SimpleNamespace(state=state))
+    base = dist.HashStore()
+    dynamic_rendezvous.DynamicRendezvousHandler._wrap_store(handler, base).set("key", "value")
+    assert base.check([_round_store_prefix("job", 3) + "/key"])
+
+
 def test_etcd_handler_shadows_no_private_name_of_torchs_handler() -> None:
     """An attribute torch adds under one of our names would silently be replaced by ours (or ours by it)."""
-    overridden = {"_record"}  # on purpose: see EtcdRendezvousHandler._record
+    overridden = {"_record", "_op_executor"}  # on purpose: see EtcdRendezvousHandler
     ours = {name for name in vars(EtcdRendezvousHandler) if name.startswith("_") and not name.startswith("__")}
     ours -= {"_abc_impl"}  # every subclass of an ABC has its own
-    ours |= {"_shut_down"}  # set by EtcdRendezvousHandler.__init__
+    ours |= {ins.argval for ins in dis.get_instructions(EtcdRendezvousHandler.__init__) if ins.opname == "STORE_ATTR"}
     torch_handler = dynamic_rendezvous.DynamicRendezvousHandler
     torch_names = set(dir(torch_handler)) | {name for cls in torch_handler.__mro__ for name in inspect.get_annotations(cls)}
     assert (ours - overridden) & torch_names == set()
@@ -128,22 +146,22 @@ def test_prefork_preloads_modules_that_exist() -> None:
     assert [name for name in PRELOAD if importlib.util.find_spec(name) is None] == []
 
 
-def _declared(*, extra: str | None = None) -> dict[str, Requirement]:
+def _declared(*, extra: str | None = None) -> dict[str, pep508.Requirement]:
     project = tomllib.loads(PYPROJECT.read_text())["project"]
     lines = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
-    return {requirement.name: requirement for requirement in map(Requirement, lines)}
+    return {requirement.name: requirement for requirement in map(pep508.Requirement, lines)}
 
 
 def test_supported_ranges_are_the_declared_ones() -> None:
     """The range an incompatible library's error names is the one pip enforces."""
-    assert _declared()["torch"] == Requirement(_torch_compat.SUPPORTED)
-    assert _declared(extra="s3")["s3fs"] == _declared(extra="test")["s3fs"] == Requirement(_s3fs_compat.SUPPORTED)
+    assert _declared()["torch"] == pep508.Requirement(_torch_compat.SUPPORTED)
+    assert _declared(extra="s3")["s3fs"] == _declared(extra="test")["s3fs"] == pep508.Requirement(_s3fs_compat.SUPPORTED)
 
 
 def test_the_installed_versions_are_supported() -> None:
     """What this run tests is inside the declared range (CI installs the torch that scripts/setup.sh names)."""
-    assert Requirement(_torch_compat.SUPPORTED).specifier.contains(torch.__version__)
-    assert Requirement(_s3fs_compat.SUPPORTED).specifier.contains(s3fs.__version__)
+    assert pep508.Requirement(_torch_compat.SUPPORTED).specifier.contains(torch.__version__)
+    assert pep508.Requirement(_s3fs_compat.SUPPORTED).specifier.contains(s3fs.__version__)
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +178,7 @@ def _stub(module: ModuleType, *, without: str = "", **replaced: Any) -> ModuleTy
 
 def _failure(module: ModuleType, requirements: Any, version: str = "9.9.9") -> str:
     with pytest.raises(IncompatibleLibraryError) as info:
-        check(module, requirements, version=version, supported="torch>=2.13,<2.14")
+        check({module: requirements}, version=version, supported="torch>=2.13,<2.14")
     assert isinstance(info.value, ImportError) and isinstance(info.value, ElasticDDPError)
     message = str(info.value)
     assert "\n" not in message
@@ -189,6 +207,17 @@ def test_every_problem_is_in_the_one_message() -> None:
            "not (self, state_handler, deadline, update_deadline)" in message  # fmt: skip
 
 
+def test_problems_in_several_modules_of_one_library_are_in_one_message() -> None:
+    stubs = {
+        _stub(dynamic_rendezvous, without="_RendezvousExitOp"): rdzv_torch_compat.REQUIRED,
+        _stub(store_util, without="_LAST_MEMBER_CHECKIN"): rdzv_torch_compat.REQUIRED_IN_STORE_UTIL,
+    }
+    with pytest.raises(IncompatibleLibraryError) as info:
+        check(stubs, version="9.9.9", supported="torch>=2.13,<2.14")
+    message = str(info.value)
+    assert "_RendezvousExitOp is missing; torch.distributed.elastic.utils.store._LAST_MEMBER_CHECKIN is missing" in message
+
+
 def test_a_missing_attribute_is_named() -> None:
     class State:
         round: int
@@ -205,7 +234,7 @@ def test_naive_deadlines_are_refused() -> None:
 
     class Executor(dynamic_rendezvous._DistributedRendezvousOpExecutor):
         def _add_to_participants(self) -> None:
-            self._state.deadline = datetime.utcnow() + self._settings.timeout.last_call  # noqa: DTZ003 - on purpose
+            self._state.deadline = datetime.utcnow() + self._settings.timeout.last_call
 
     stub = _stub(dynamic_rendezvous, _DistributedRendezvousOpExecutor=Executor)
     assert "rendezvous deadlines are timezone-aware" in _failure(stub, rdzv_torch_compat.REQUIRED)
@@ -226,6 +255,7 @@ def test_a_builtin_without_signature_is_reported_not_crashed_on() -> None:
     [
         ("elastic_ddp._torch_compat", torch, "_foreach_div_"),
         ("elastic_ddp.rendezvous._torch_compat", dynamic_rendezvous, "_RendezvousExitOp"),
+        ("elastic_ddp.rendezvous._torch_compat", store_util, "_NUM_MEMBERS"),
         ("elastic_ddp.checkpoint._s3fs_compat", s3fs.S3FileSystem, "_call_s3"),
     ],
 )
