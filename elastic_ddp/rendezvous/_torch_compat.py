@@ -8,12 +8,12 @@ name it uses comes from here, under torch's own name, and importing this module 
 :class:`~elastic_ddp._compat.IncompatibleLibraryError` in one line when one changed. Only the
 rendezvous package imports this module: see :mod:`elastic_ddp._compat`.
 
-Two facts cannot be checked on import. The exit barrier's prefix is
+Two values are restated rather than taken from torch. The exit barrier's prefix is
 ``torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID``, and that module imports
-torch's rendezvous package (which imports this package) before it defines the name, so
-:data:`elastic_ddp.rendezvous.store.EXIT_BARRIER_PREFIX` restates it; and the prefix of a
-round's agents' store is built inside ``DynamicRendezvousHandler._wrap_store``, restated by
-``etcd._round_store_prefix``. ``tests/unit/test_compat.py`` compares both with torch's.
+torch's rendezvous package (which imports this package) before it defines the name, so it cannot
+be read here: :data:`elastic_ddp.rendezvous.store.EXIT_BARRIER_PREFIX` restates it. The prefix of
+a round's agents' store is built inside ``DynamicRendezvousHandler._wrap_store`` (probed below)
+and restated by ``etcd._round_store_prefix``. ``tests/unit/test_compat.py`` compares both with torch's.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ _EXECUTOR = "etcd._OpExecutor"
 
 
 def _deadlines_are_timezone_aware(module: ModuleType) -> bool:
-    """Whether torch sets a round's deadline from ``datetime.now(timezone.utc)`` (2.13), not
-    from the naive ``datetime.utcnow()`` of earlier releases."""
+    """Whether torch sets a round's deadline from ``datetime.now(timezone.utc)`` (torch 2.6 on),
+    not from the naive ``datetime.utcnow()`` of 2.4 and 2.5."""
     names = module._DistributedRendezvousOpExecutor._add_to_participants.__code__.co_names
     return "timezone" in names and "utcnow" not in names
 
