@@ -51,7 +51,7 @@ class JobSpec:
     max_restarts: int = 10
     monitor_interval_s: float = 0.2
     env: dict[str, str] = field(default_factory=dict)
-    prefork: bool = False
+    prefork: bool = True
     """Start workers through :mod:`elastic_ddp.prefork` (a per-node fork server that imported torch
     once), so a restart does not pay for Python importing torch again."""
 

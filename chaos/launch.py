@@ -40,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", default="local", help="torchrun --rdzv-id (default local)")
     parser.add_argument("--max-restarts", type=int, default=10, help="torchrun --max-restarts (default 10)")
     parser.add_argument("--workdir", default="", help="node logs and embedded etcd data (default: a new temp dir)")
-    parser.add_argument("--prefork", action="store_true",
+    parser.add_argument("--prefork", action=argparse.BooleanOptionalAction, default=True,
                         help="start workers through a per-node fork server that imported torch once "
-                             "(elastic_ddp.prefork): restarts skip importing torch")
+                             "(elastic_ddp.prefork), so restarts skip importing torch (default); "
+                             "--no-prefork starts every worker as a new Python process")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="stop every node after this long (default 3600)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
 

@@ -21,7 +21,7 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
     rdzv_backend = "etcd-v3"      # or "c10d"
     etcd = "embedded"             # "none", "embedded" (one member) or "cluster" (three members)
     checkpoint = "local"          # or "s3" (an embedded S3 endpoint behind a fault proxy)
-    prefork = false               # true: workers start from a fork server (no hang-* faults then)
+    prefork = true                # workers start from a fork server (default); false for hang-* faults
 
     [[faults]]
     kind = "kill-worker"
@@ -181,7 +181,7 @@ class ClusterConfig:
     """``local`` (a directory in the run's work directory) or ``s3`` (embedded endpoint)."""
     max_restarts: int = 30
     """``torchrun --max-restarts``: every failure, join and departure consumes one."""
-    prefork: bool = False
+    prefork: bool = True
     """Workers start through :mod:`elastic_ddp.prefork`: restarts skip importing torch."""
 
     @property
@@ -295,7 +295,7 @@ def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
         etcd=reader.choice("etcd", ("none", "embedded", "cluster"), "embedded"),
         checkpoint=reader.choice("checkpoint", ("local", "s3"), "local"),
         max_restarts=reader.integer("max_restarts", default=30, minimum=0),
-        prefork=reader.boolean("prefork", default=False),
+        prefork=reader.boolean("prefork", default=True),
     )
     reader.reject_unknown()
     if not low <= cluster.start_nodes <= high:

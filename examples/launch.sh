@@ -5,8 +5,8 @@
 # Multi-node:   run on every node with the same RDZV_ENDPOINT and RUN_ID, e.g.
 #               NNODES=2 NPROC=2 RDZV_ENDPOINT=node0:29400 RUN_ID=job1 examples/launch.sh --checkpoint-dir /shared/ckpt
 #               NNODES may be a range (1:4) for an elastic job; RDZV_BACKEND defaults to c10d.
-#               PREFORK=1 starts workers from a per-node fork server that imported torch once
-#               (elastic_ddp.prefork), so worker-group restarts do not import torch again.
+# Workers start from a per-node fork server that imported torch once (elastic_ddp.prefork), so a
+# worker-group restart does not import torch again; PREFORK=0 starts each as a new Python process.
 # Everything after the variables goes to train.py (see `python examples/train.py --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # (elastic_ddp/rendezvous/RESTARTS.md).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 SCRIPT=(examples/train.py)
-if [ "${PREFORK:-0}" = "1" ]; then
+if [ "${PREFORK:-1}" = "1" ]; then
     SCRIPT=(-m elastic_ddp.prefork examples/train.py)
 fi
 if [ "$NNODES" = "1" ] && [ -z "${RDZV_ENDPOINT:-}" ]; then

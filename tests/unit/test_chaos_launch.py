@@ -40,13 +40,22 @@ def test_a_start_count_outside_the_node_range_is_refused() -> None:
         launch(parse("--nodes", "1:2", "--nodes-start", "4", "--", "examples/train.py"))
 
 
-def test_prefork_puts_the_launcher_module_before_the_script() -> None:
-    plain = JobSpec(script="train.py", args=["--max-steps", "5"]).torchrun_command()
-    prefork = JobSpec(script="train.py", args=["--max-steps", "5"], prefork=True).torchrun_command()
+def test_prefork_is_the_default_and_puts_the_launcher_module_before_the_script() -> None:
+    prefork = JobSpec(script="train.py", args=["--max-steps", "5"]).torchrun_command()
+    plain = JobSpec(script="train.py", args=["--max-steps", "5"], prefork=False).torchrun_command()
     assert plain[-3:] == ["train.py", "--max-steps", "5"] and "elastic_ddp.prefork" not in plain
     assert prefork[-5:] == ["-m", "elastic_ddp.prefork", "train.py", "--max-steps", "5"]
     assert prefork[:-3] == plain[:-3] + ["-m", "elastic_ddp.prefork"]
-    assert parse("--prefork", "--", "train.py").prefork and not parse("--", "train.py").prefork
+    assert parse("--", "train.py").prefork and not parse("--no-prefork", "--", "train.py").prefork
+
+
+def test_scenarios_start_workers_warm_unless_a_hang_fault_needs_plain_processes() -> None:
+    from chaos.scenario import load_scenario, scenario_names
+
+    for name in scenario_names():
+        scenario = load_scenario(name)
+        hangs = any(fault.kind in ("hang-worker", "hang-node") for fault in scenario.faults)
+        assert scenario.cluster.prefork == (not hangs), name
 
 
 @pytest.mark.parametrize(("flags", "named"), [
