@@ -81,8 +81,9 @@ def launch(args: argparse.Namespace) -> int:
                        run_id=args.run_id, max_restarts=args.max_restarts, prefork=args.prefork)
         cluster = stack.enter_context(LocalCluster(spec, workdir))
         cluster.start(start)
+        start_mode = "warm (elastic_ddp.prefork)" if args.prefork else "as new processes (--no-prefork)"
         print(f"launched {start} node(s) x {args.nproc_per_node} worker(s), rendezvous {args.rdzv_backend} at "
-              f"{spec.rdzv_endpoint}; node logs in {workdir}", file=sys.stderr)
+              f"{spec.rdzv_endpoint}, workers start {start_mode}; node logs in {workdir}", file=sys.stderr)
         codes = _wait(cluster, args.timeout_s)
     return _summarize(cluster, codes)
 
