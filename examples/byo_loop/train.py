@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import Checkpointer, ElasticSampler, StepGuard, exit_status
+from elastic_ddp.loop import Checkpointer, ElasticSampler, StepGuard, exit_status, open_events
 
 
 @dataclass
@@ -48,6 +48,7 @@ class TrainingConfig:
     log_every: int = 20
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) goes here
     lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
 
 
@@ -105,14 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ElasticSampler(len(dataset), global_batch_size=config.batch_size, seed=config.seed, rank=rank,
                              world_size=world_size, grad_accum_steps=config.grad_accum_steps)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers)
+    events = open_events(config.log_dir)
     checkpointer = config.checkpoint_dir and Checkpointer(
         config.checkpoint_dir, model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
-        scaler=scaler if scaler.is_enabled() else None, seed=config.seed,
+        scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
         fingerprint={name: getattr(config, name) for name in ("seed", "batch_size", "num_samples", "hidden", "lr_decay_every")})
     step = checkpointer.restore() if checkpointer else 0
     if rank == 0 and step:
         print(f"resumed at step {step}")
-    guard, decision = StepGuard(), None
+    guard, decision = StepGuard(events=events), None
     batches = iter(loader)
     while step < config.max_steps:
         plan = sampler.plan()
@@ -142,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.save(step, blocking=True)
         checkpointer.close()
     dist.destroy_process_group()
-    return exit_status(decision, guard)
+    status = exit_status(decision, guard)
+    events.close()
+    return status
 
 
 if __name__ == "__main__":
