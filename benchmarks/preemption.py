@@ -84,7 +84,8 @@ def main() -> None:
                 commit, resume = one_run(Path(tmp) / f"run{index}", args.backend, endpoint, args.prefork)
                 commits.append(commit)
                 resumes.append(resume)
-                print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s", flush=True)
+                print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s",
+                      flush=True)
         finally:
             if etcd is not None:
                 etcd.stop()

@@ -168,8 +168,8 @@ AGENT_KINDS = ("agent-failure", "new-nodes", "agent-signal", "agent-rendezvous")
 """What the verifier reads from the torchrun agents' own log lines (torch writes them; the runtime's facts
 come from its events file)."""
 
-DETECTION_KINDS = frozenset({Event.EXIT, Event.STOP_REQUESTED, Event.STOP_AGREED, Event.WATCHDOG_FIRED, "agent-failure", "new-nodes",
-                             "agent-signal"})
+DETECTION_KINDS = frozenset({Event.EXIT, Event.STOP_REQUESTED, Event.STOP_AGREED, Event.WATCHDOG_FIRED,
+                             "agent-failure", "new-nodes", "agent-signal"})
 """Events that show the job noticed something: a worker exiting (other than at the end), a stop requested or
 agreed, the watchdog, the agent seeing a failure, a waiting node, or a signal."""
 
@@ -338,7 +338,8 @@ def check_data(commits: list[Commit], reference: ReferenceFacts, final: Checkpoi
                          f"(data digest {digest[:12]}… != {expected[:12]}…); last matching checkpoint: step {good}")
         good = step
     if final is None:
-        return Check("data-digest", False, f"no final checkpoint to compare; {len(compared)} checkpoints matched up to step {good}")
+        return Check("data-digest", False,
+                     f"no final checkpoint to compare; {len(compared)} checkpoints matched up to step {good}")
     if final.data_digest != reference.final.data_digest:
         return Check("data-digest", False, f"the final checkpoint (step {final.step}) consumed other samples than the reference "
                      f"(data digest {final.data_digest[:12]}… != {reference.final.data_digest[:12]}…)")
@@ -414,18 +415,19 @@ def _unrecorded_attempt(starts: list[JobEvent], events: list[JobEvent], steps: l
     for at, until in zip(formed, [*formed[1:], float("inf")]):
         first = next((record for record in ordered if at < record.time < until), None)
         if first is not None and not started(at, first.time):
-            return (f"an attempt formed its process group at {_clock(at)} and trained (step {first.step} at {_clock(first.time)}) "
-                    "without a resume (or fresh start) recorded by rank 0")
-    for record in faults:
-        if record.fired_at is None or started(record.fired_at):
+            return (f"an attempt formed its process group at {_clock(at)} and trained (step {first.step} at "
+                    f"{_clock(first.time)}) without a resume (or fresh start) recorded by rank 0")
+    for fault in faults:
+        if fault.fired_at is None or started(fault.fired_at):
             continue
-        ended = [event for event in events if event.time > record.fired_at
-                 and ((event.kind == Event.EXIT and event.reason != "done")
-                      or (event.kind == Event.PROCESS_GROUP_FORMED and event.rank == 0))]
-        if ended:
-            first_end = ended[0]
-            return (f"fault {record.label} was followed by a new attempt ({first_end.node} rank {first_end.rank}: "
-                    f"{first_end.kind} {first_end.reason}".rstrip() + "), but rank 0 recorded no resume after it")
+        after = fault.fired_at
+        ended = _earliest(event for event in events if event.time > after
+                          and ((event.kind == Event.EXIT and event.reason != "done")
+                               or (event.kind == Event.PROCESS_GROUP_FORMED and event.rank == 0)))
+        if ended is not None:
+            what = f"{ended.kind} {ended.reason}" if ended.reason else ended.kind
+            return (f"fault {fault.label} was followed by a new attempt ({ended.node} rank {ended.rank}: {what}), "
+                    "but rank 0 recorded no resume after it")
     return ""
 
 
@@ -434,7 +436,8 @@ def _needless_fresh_start(starts: list[JobEvent], events: list[JobEvent], commit
     for start in starts:
         if start.kind != Event.STARTED_FRESH:
             continue
-        committed = [event.step for event in events if event.kind == Event.COMMITTED and event.time < start.time]
+        committed = [event.step for event in events
+                     if event.kind == Event.COMMITTED and event.step is not None and event.time < start.time]
         committed += [commit.step for commit in commits if commit.seen_at < start.time]
         if committed:
             return (f"rank 0 started fresh at {_clock(start.time)} ({start.reason}) although step {max(committed)} "

@@ -181,7 +181,9 @@ class Trainer:
         if built.optimizer is not None:
             optimizer = built.optimizer(self.model)
             if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+                raise TypeError(
+                    f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
+                )
         else:
             optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
@@ -297,7 +299,9 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
             # Workers' seeds come from this generator, not the global RNG, so building the loader
             # leaves the model's RNG streams untouched (bitwise resume).
-            generator=torch.Generator().manual_seed(derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)),
+            generator=torch.Generator().manual_seed(
+                derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)
+            ),
         )
         return iter(loader)
 
@@ -557,7 +561,8 @@ class Trainer:
             self.model.train()
         self._last_eval = (self.state.counters.step, metrics)
         logger.info("eval %s", " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
-        self.metrics.write({"step": self.state.counters.step, **{f"eval_{k}": v for k, v in metrics.items()}, "time": time.time()})
+        evaluated = {f"eval_{name}": value for name, value in metrics.items()}
+        self.metrics.write({"step": self.state.counters.step, **evaluated, "time": time.time()})
         return metrics
 
     def save_checkpoint(self, blocking: bool = False) -> None:

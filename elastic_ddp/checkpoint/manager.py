@@ -149,7 +149,9 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def stage(self, name: str, flat: Flat, defer: frozenset[int] = frozenset()) -> tuple[Flat, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def stage(
+        self, name: str, flat: Flat, defer: frozenset[int] = frozenset()
+    ) -> tuple[Flat, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The staged payload, and the ``(buffer, tensor)`` pairs left to copy: those whose data pointer is in ``defer``."""
         buffers = self._buffers.get(name, [])
         if len(buffers) != len(flat.tensors) or any(
@@ -287,7 +289,7 @@ class CheckpointManager:
                 outcome[1:], cause = [str(exc), True], exc
             except CheckpointError as exc:
                 outcome[1], cause = str(exc), exc
-            except Exception as exc:  # noqa: BLE001 - every rank waits for this outcome; a bug must reach them too
+            except Exception as exc:  # every rank waits for this outcome; a bug must reach them too
                 logger.exception("committing the checkpoint of step %d failed unexpectedly", staged.step)
                 outcome[1], cause = f"{type(exc).__name__}: {exc}", exc
         self._broadcast_from_main(outcome)
@@ -355,7 +357,7 @@ class CheckpointManager:
             self.apply_retention()
         except CheckpointError as exc:
             logger.warning("checkpoint of step %d is committed, but retention failed: %s", step, exc)
-        except Exception:  # noqa: BLE001 - a bug here must be seen, and must not end the training
+        except Exception:  # a bug here must be seen, and must not end the training
             logger.exception("checkpoint of step %d is committed, but retention failed", step)
 
     def wait_for_retention(self) -> None:
@@ -515,7 +517,8 @@ class CheckpointManager:
     def _uncommit(self, info: CheckpointInfo, reason: str) -> None:
         """Set aside the manifest of a checkpoint that failed verification, keeping it for inspection."""
         manifest_path = self._manifest_path(info.step)
-        self.storage.replace(self.storage.join(step_dir_name(info.step), REJECTED_MANIFEST_NAME), self.storage.read(manifest_path))
+        rejected_path = self.storage.join(step_dir_name(info.step), REJECTED_MANIFEST_NAME)
+        self.storage.replace(rejected_path, self.storage.read(manifest_path))
         self.storage.remove(manifest_path)
         logger.warning("un-committed %s (%s); its step will be saved again", info.path, reason)
         self.events.emit(Event.UNCOMMITTED, step=info.step, path=info.path, reason=reason)

@@ -83,7 +83,8 @@ def write_error_file(reason: str, message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    body = {"message": {"message": f"{reason}: {message}", "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    body = {"message": {"message": f"{reason}: {message}", "extraInfo": extra}}
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(body, handle)

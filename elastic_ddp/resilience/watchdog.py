@@ -1,4 +1,5 @@
-"""The hang watchdog (docs/design.md, "Failure semantics"): a thread that knows the current phase and the time of the last progress.
+"""The hang watchdog (docs/design.md, "Failure semantics"): a thread that knows the current phase and the time of
+the last progress.
 
 The trainer marks phases (``data``, ``step``, ``collective``, ``checkpoint``, ...). When a phase
 with a timeout lasts longer than it, the watchdog writes the phase and every thread's stack

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)
     ddp = DistributedDataParallel(model)
@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler.commit(plan)
         step += 1
         if rank == 0 and step % config.log_every == 0:
-            print(f"step {step} loss {loss.item() / sampler.loss_scale(plan) / len(inputs):.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+            mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
+            print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
         decision = guard.after_step(step)
         if decision.stop:
             break

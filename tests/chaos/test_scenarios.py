@@ -75,7 +75,8 @@ def forgetful_scenario() -> Scenario:
         "name": "forgetful-resume",
         "description": "negative control: a job that does not restore its data position",
         "timeout_s": 180,
-        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5", "--no-checkpoint-async-save"], "max_steps": 80, "checkpoint_every": 20},
+        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5", "--no-checkpoint-async-save"], "max_steps": 80,
+                "checkpoint_every": 20},
         "cluster": {"nodes": "1", "start_nodes": 1, "rdzv_backend": "c10d", "etcd": "none"},
         "faults": [{"kind": "kill-worker", "at_step": 30, "target": "rank:0"}],
     }, "forgetful")

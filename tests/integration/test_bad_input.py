@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest

@@ -4,7 +4,6 @@ and state, and the library path in a hand-written loop (examples/byo_loop). Both
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest

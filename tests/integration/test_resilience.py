@@ -95,7 +95,8 @@ def check_stop_saved_and_resumed(workdir: Path, survivor: Node, leaving: Node, s
     whose checkpoint was committed, and from which the survivor resumed; returns that step."""
     stop = agreed_stop_step(workdir)
     assert {event["reason"] for event in node_events(workdir, leaving, "stop_requested")} == {source}
-    assert {(event["reason"], event["source"]) for event in node_events(workdir, leaving, "stop_agreed")} == {("preempted", source)}
+    agreed_here = {(event["reason"], event["source"]) for event in node_events(workdir, leaving, "stop_agreed")}
+    assert agreed_here == {("preempted", source)}
     assert {event["reason"] for event in node_events(workdir, survivor, "stop_agreed")} == {"peer-lost"}
     assert stop in [event["step"] for event in events(workdir / "logs", "committed")]  # the emergency checkpoint
     assert exits(workdir, leaving) == [("preempted", 0)] * 2

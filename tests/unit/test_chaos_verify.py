@@ -167,7 +167,8 @@ def test_a_fault_after_which_workers_failed_needs_a_resume_even_without_steps() 
     events = [e for e in facts.events if e.kind not in ("resumed", "process_group_formed") or e.time < T0]
     steps = [s for s in facts.steps if s.time < T0 + 5.0]
     check = check_loads(events, facts.commits, facts.faults, steps)
-    assert not check.passed and "fault 0:kill-worker was followed by a new attempt (node0 rank 0: exit peer-lost)" in check.message
+    assert not check.passed
+    assert "fault 0:kill-worker was followed by a new attempt (node0 rank 0: exit peer-lost)" in check.message
 
 
 def test_a_fault_that_landed_as_the_job_finished_needs_no_resume() -> None:
