@@ -5,8 +5,8 @@ How to run:
 
 Each repeat starts 2 simulated nodes x 2 workers (chaos.cluster, --nnodes=1:2, rendezvous with
 last_call_timeout=1 and a 1 s x 3 heartbeat), waits until all 4 ranks train, sends SIGTERM to
-the second node's agent, and reads from the survivor's log and metrics.jsonl:
-  commit:  SIGTERM -> "emergency checkpoint of step N committed" (rank 0's log time)
+the second node's agent, and reads the job's events.jsonl and metrics.jsonl:
+  commit:  SIGTERM -> the "committed" event of the step every rank agreed to stop at
   resume:  SIGTERM -> the first step the survivors completed after re-forming
 Prints the medians (and every sample).
 """
@@ -14,9 +14,7 @@ Prints the medians (and every sample).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import re
 import signal
 import statistics
 import sys
@@ -28,21 +26,24 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chaos.cluster import JobSpec, LocalCluster, wait_for  # noqa: E402
+from elastic_ddp.events import Event, read_events  # noqa: E402
 
 TRAIN = str(REPO / "examples" / "train.py")
 CONF = {"join_timeout": "60", "last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
-
-
-def log_time(line: str) -> float:
-    stamp = line[:23]
-    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 def records(workdir: Path) -> list[dict]:
     path = workdir / "logs" / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def emergency_commit(workdir: Path, after: float) -> dict | None:
+    """The ``committed`` event of the step at which the ranks agreed to stop after ``after``, once it is there."""
+    events, _ = read_events(workdir / "logs")
+    stops = [e["step"] for e in events if e["event"] == Event.STOP_AGREED and e["time"] > after]
+    return next((e for e in events if e["event"] == Event.COMMITTED and stops and e["step"] == stops[0]), None)
 
 
 def one_run(workdir: Path, backend: str, endpoint: str, prefork: bool) -> tuple[float, float]:
@@ -51,15 +52,14 @@ def one_run(workdir: Path, backend: str, endpoint: str, prefork: bool) -> tuple[
     spec = JobSpec(script=TRAIN, args=args, nnodes="1:2", rdzv_backend=backend, rdzv_endpoint=endpoint,
                    rdzv_conf=dict(CONF), run_id=workdir.name, max_restarts=3, prefork=prefork)
     with LocalCluster(spec, workdir) as cluster:
-        survivor, leaving = cluster.start(2).nodes
+        _, leaving = cluster.start(2).nodes
         wait_for(lambda: (r := records(workdir)) and r[-1]["world_size"] == 4 and r[-1]["step"] >= 40, 180, "4 ranks training")
         sent = time.time()
         leaving.signal_agent(signal.SIGTERM)
         resumed = wait_for(lambda: next((r for r in records(workdir) if r["time"] > sent and r["world_size"] == 2), None),
                            180, "the survivors' first step")
-        match = re.search(r"^(.*) INFO .*emergency checkpoint of step \d+ committed", survivor.output(), re.M)
-        assert match, survivor.output()[-3000:]
-        return log_time(match.group(0)) - sent, resumed["time"] - sent
+        committed = wait_for(lambda: emergency_commit(workdir, sent), 60, "the emergency checkpoint's commit")
+        return committed["time"] - sent, resumed["time"] - sent
 
 
 def main() -> None:
@@ -84,7 +84,8 @@ def main() -> None:
                 commit, resume = one_run(Path(tmp) / f"run{index}", args.backend, endpoint, args.prefork)
                 commits.append(commit)
                 resumes.append(resume)
-                print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s", flush=True)
+                print(f"run {index}: SIGTERM->commit {commit:.2f} s, SIGTERM->first step after re-forming {resume:.2f} s",
+                      flush=True)
         finally:
             if etcd is not None:
                 etcd.stop()

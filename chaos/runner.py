@@ -8,7 +8,7 @@
         every tick: observe (newest step, world size, unfinished saves) -> fire due faults
                     -> run due follow-ups (SIGCONT, etcd back...) -> progress on stderr
         until every node exited (or only frozen ones remain after 'done'), or the deadline
-    collect facts (logs, metrics.jsonl, commits, final checkpoint) -> checks -> report
+    collect facts (events.jsonl, agent logs, metrics.jsonl, commits, final checkpoint) -> checks -> report
 
 Every process it starts is stopped on every exit path (``try/finally`` and an ``ExitStack``;
 Ctrl-C included): nodes by process group (``LocalCluster.close``), etcd and moto by pid.
@@ -46,18 +46,20 @@ from chaos.faults import (
 from chaos.s3 import BUCKET, StorageProxy, client_env, start_on_free_port, storage_options
 from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
+    NOT_REACHED,
     NodeOutcome,
     ReferenceFacts,
-    NOT_REACHED,
     RunFacts,
     VerifyError,
     compare_weights,
     final_weights,
-    parse_log,
+    job_events,
+    parse_agent_log,
     parse_metrics,
     read_checkpoint,
     reference_run,
 )
+from elastic_ddp.events import Event, parse_events, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -145,29 +147,41 @@ def job_spec(scenario: Scenario, services: Services, workdir: Path) -> JobSpec:
     )
 
 
-class MetricsTail:
-    """Rank 0's ``metrics.jsonl``, read incrementally: the newest step and world size."""
+class Tail:
+    """A file that others append lines to, read incrementally: the complete lines added since the last poll."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.step = 0
-        self.world_size = 0
-        self.done = False
 
-    def poll(self) -> None:
+    def new_lines(self) -> list[str]:
         if not self.path.exists():
-            return
+            return []
         with open(self.path, "rb") as handle:
             handle.seek(self.offset)
             chunk = handle.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
-        lines = complete.decode(errors="replace").splitlines()
-        self.done = self.done or any('"event": "done"' in line for line in lines)
-        for record in parse_metrics(lines):
+        return complete.decode(errors="replace").splitlines()
+
+
+class MetricsTail:
+    """Rank 0's ``metrics.jsonl`` and every rank's ``events.jsonl``, read incrementally: the newest step and
+    world size, and whether a rank finished the job (its ``done`` event)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.metrics = Tail(log_dir / "metrics.jsonl")
+        self.events = Tail(log_dir / "events.jsonl")
+        self.step = 0
+        self.world_size = 0
+        self.done = False
+
+    def poll(self) -> None:
+        for record in parse_metrics(self.metrics.new_lines()):
             self.step = max(self.step, record.step)
             self.world_size = record.world_size
+        records, _ = parse_events(self.events.new_lines())  # the verifier reports invalid lines
+        self.done = self.done or any(record["event"] == Event.DONE for record in records)
 
 
 class ProgressLine:
@@ -227,7 +241,7 @@ class ScenarioRun:
         self.env = ChaosEnv(cluster=cluster, rng=random.Random(scenario.seed), min_nodes=scenario.cluster.min_nodes,
                             add_node=self.add_node, store=self.store, etcd=services.etcd, proxy=services.proxy,
                             spot=services.spot)
-        self.metrics = MetricsTail(workdir / "logs" / "metrics.jsonl")
+        self.metrics = MetricsTail(workdir / "logs")
         self.schedule = Schedule()
         self.progress = ProgressLine(progress, scenario.job.max_steps, len(self.faults))
         self.unfinished: frozenset[int] = frozenset()
@@ -329,23 +343,28 @@ class ScenarioRun:
         """What the checks need; call after the nodes were stopped, while storage still runs."""
         ended = time.time()
         year = time.localtime(self.started_wall).tm_year
-        events = sorted((event for node in self.cluster.nodes for event in parse_log(node.output(), node.name, year)),
+        records, problems = read_events(workdir / "logs")
+        agents = {node.pid: node.name for node in self.cluster.nodes}
+        events = sorted([*job_events(records, agents),
+                         *(event for node in self.cluster.nodes for event in parse_agent_log(node.output(), node.name, year))],
                         key=lambda event: event.time)
         metrics_path = workdir / "logs" / "metrics.jsonl"
         steps = parse_metrics(metrics_path.read_text().splitlines()) if metrics_path.exists() else []
         self._scan()
         final, final_error = self._final_checkpoint()
         removed = {name: fault.record.label for fault in self.faults for name in fault.record.removes}
-        trained = {event.node for event in events if event.kind == "pg-formed"}
+        trained = {event.node for event in events if event.kind == Event.PROCESS_GROUP_FORMED}
         nodes = [NodeOutcome(node.name, None if node.name in self.running_at_end else node.returncode,
                              removed.get(node.name, ""), arrived_late=_arrived_late(node, trained))
                  for node in self.cluster.nodes]
-        ended_at = max([step.time for step in steps] + [event.time for event in events if event.kind == "done"], default=ended)
+        ended_at = max([step.time for step in steps] + [event.time for event in events if event.kind == Event.DONE],
+                       default=ended)
         facts = RunFacts(scenario=self.scenario.name, max_steps=self.scenario.job.max_steps,
                          open_schedule=self.scenario.open_schedule, started_at=self.started_wall,
                          ended_at=ended_at, timed_out=self.timed_out, nodes=nodes,
                          faults=[fault.record for fault in self.faults], steps=steps, events=events,
-                         commits=list(self.store.commits), final=final, final_error=final_error, reference=reference)
+                         commits=list(self.store.commits), final=final, final_error=final_error, reference=reference,
+                         event_problems=problems)
         if final is not None and {step.world_size for step in steps} != {reference.world_size}:
             facts.weights = compare_weights(final_weights(self.services.checkpoint_uri, self.services.store_options),
                                             final_weights(reference.checkpoint_uri))

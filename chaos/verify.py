@@ -1,12 +1,15 @@
 """Did the job lose anything? Facts from a chaos run, a clean reference run, and pure checks over them.
 
-The runner collects facts at its edges (node logs, rank 0's ``metrics.jsonl``, the commits it
-watched, the final checkpoint); everything between is a pure function of those facts:
+The runner collects facts at its edges (the job's ``events.jsonl``, the torchrun agents' log lines,
+rank 0's ``metrics.jsonl``, the commits it watched, the final checkpoint); everything between is a
+pure function of those facts:
 
-- :func:`parse_log` turns a node's log into :class:`LogEvent` s (the runtime's lines and the
-  torchrun agent's);
+- :func:`job_events` turns the runtime's event records (:mod:`elastic_ddp.events`) into
+  :class:`JobEvent` s, each placed on its node by the torchrun agent's pid it carries;
+  :func:`parse_agent_log` adds the few torchrun agent lines the recovery figures need;
 - :func:`run_checks` returns one :class:`Check` per property, each named, each failure message
-  naming the step (or node, or line) it is about;
+  naming the step (or node, or line) it is about. A check whose events are missing fails: a run
+  that should have resumed and has no resume event is a failed run, not one with nothing to check;
 - :func:`fault_metrics` and :func:`goodput` measure recovery.
 
 The reference is the same job under ``torchrun --standalone`` at the scenario's starting world
@@ -18,6 +21,7 @@ run committed can be compared with the reference's at that step.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -26,14 +30,15 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chaos.cluster import Node
 from chaos.faults import Commit, FaultRecord
 from chaos.scenario import REPO, ChaosError, JobConfig
+from elastic_ddp.events import Event
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +57,9 @@ class VerifyError(ChaosError):
 
 
 @dataclass(frozen=True)
-class LogEvent:
-    """One meaningful line of a node's log."""
+class JobEvent:
+    """One thing that happened in the job: a worker's event (``kind`` is an :class:`elastic_ddp.events.Event`
+    value) or a torchrun agent's log line (``kind`` is one of :data:`AGENT_KINDS`)."""
 
     time: float
     node: str
@@ -62,7 +68,9 @@ class LogEvent:
     step: int | None = None
     path: str = ""
     world_size: int | None = None
+    reason: str = ""
     text: str = ""
+    """The error or detail it carries (an agent line: the line)."""
 
 
 @dataclass(frozen=True)
@@ -137,12 +145,14 @@ class RunFacts:
     nodes: list[NodeOutcome]
     faults: list[FaultRecord]
     steps: list[StepRecord]
-    events: list[LogEvent]
+    events: list[JobEvent]
     commits: list[Commit]
     final: CheckpointFacts | None
     final_error: str
     reference: ReferenceFacts
     weights: WeightComparison | None = None
+    event_problems: list[str] = field(default_factory=list)
+    """Lines of the events file that are not valid events (or why there is no events file)."""
 
 
 @dataclass(frozen=True)
@@ -152,29 +162,41 @@ class Check:
     message: str
 
 
-# -- log parsing (pure) --------------------------------------------------------------------
+# -- events (pure) -----------------------------------------------------------------------------
 
-_RUNTIME_LINE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (\w+) \[[^\]/]*/(\d+) [^\]]*\] ([\w.]+): (.*)$")
+AGENT_KINDS = ("agent-failure", "new-nodes", "agent-signal", "agent-rendezvous")
+"""What the verifier reads from the torchrun agents' own log lines (torch writes them; the runtime's facts
+come from its events file)."""
+
+DETECTION_KINDS = frozenset({Event.EXIT, Event.STOP_REQUESTED, Event.STOP_AGREED, Event.WATCHDOG_FIRED,
+                             "agent-failure", "new-nodes", "agent-signal"})
+"""Events that show the job noticed something: a worker exiting (other than at the end), a stop requested or
+agreed, the watchdog, the agent seeing a failure, a waiting node, or a signal."""
+
+ATTEMPT_START = (Event.RESUMED, Event.STARTED_FRESH)
+"""How every attempt of the job begins, on every rank."""
+
+
+def job_events(records: Iterable[Mapping[str, Any]], nodes: Mapping[int, str]) -> list[JobEvent]:
+    """The runtime's event records (valid ones, :func:`elastic_ddp.events.parse_events`) as job events;
+    ``nodes`` names each node by its torchrun agent's pid."""
+    events = []
+    for record in records:
+        agent = record.get("agent_pid")
+        node = nodes.get(agent, f"agent {agent}") if isinstance(agent, int) else str(record.get("host", "?"))
+        text = record.get("error") or record.get("detail") or ""
+        events.append(JobEvent(float(record["time"]), node, str(record["event"]), rank=record["rank"],
+                               step=_int(record.get("step")), path=str(record.get("path", "")),
+                               world_size=_int(record.get("world_size")), reason=str(record.get("reason", "")),
+                               text=str(text)))
+    return events
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 _AGENT_LINE = re.compile(r"^([IWEF])(\d{4}) (\d\d:\d\d:\d\d)\.(\d+) +\d+ [^\]]*\] (.*)$")
-
-_RUNTIME_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
-    ("exit", re.compile(r"^exit: reason=(?P<reason>\S+) status=(?P<status>\d+)")),
-    ("stop", re.compile(r"^stop agreed at step (?P<step>\d+)")),
-    ("pg-formed", re.compile(r"^process group formed: rank \d+/(?P<world>\d+)")),
-    ("resumed", re.compile(r"^resumed from (?P<path>.+?): step (?P<step>\d+), epoch \d+, cursor \d+ "
-                           r"\(saved at world size \d+, now (?P<world>\d+)")),
-    ("fresh", re.compile(r"^starting fresh at step 0 \(world size (?P<world>\d+)\)")),
-    ("committed", re.compile(r"^committed checkpoint (?P<path>.+?) \(\d+ files")),
-    ("skipping", re.compile(r"^skipping checkpoint (?P<path>.+?): ")),
-    ("fallback", re.compile(r"^falling back to checkpoint (?P<path>.+?) after")),
-    ("uncommitted", re.compile(r"^un-committed (?P<path>.+?) \(")),
-    ("done", re.compile(r"^done: step=(?P<step>\d+)")),
-    ("watchdog", re.compile(r"^watchdog: no progress")),
-    ("spot", re.compile(r"^spot interruption notice")),
-]
-_LOAD_ERRORS = re.compile(r"no valid checkpoint under|cannot be resumed by this run|holds optimizer state sharded"
-                          r"|step-\d+/\S+: (size|sha256|missing|not listed)")
 _AGENT_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("agent-failure", re.compile(r"failed \(exitcode: -?\d+\) local_rank|Worker group (FAILED|UNHEALTHY)")),
     ("new-nodes", re.compile(r"Detected \d+ new nodes")),
@@ -182,66 +204,45 @@ _AGENT_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
     ("agent-rendezvous", re.compile(r"Rendezvous complete for workers")),
 ]
 
-DETECTION_KINDS = frozenset({"exit", "stop", "agent-failure", "new-nodes", "agent-signal", "watchdog", "spot"})
-"""Lines that show the job noticed something: a worker exiting, a stop agreed, the agent seeing a
-failure, a waiting node, or a signal."""
 
+def parse_agent_log(text: str, node: str, year: int) -> list[JobEvent]:
+    """The torchrun agent's lines in one node's log that the recovery figures use (``year``: torch's lines
+    carry only month and day).
 
-def parse_log(text: str, node: str, year: int) -> list[LogEvent]:
-    """The events in one node's log (``year``: torch's agent lines carry only month and day)."""
+    torch writes these lines and has no structured record of them, so they are matched as text: a failed
+    worker, a waiting node, a signal to the agent, a completed rendezvous round. Everything the runtime
+    itself decides is read from its events file instead (:func:`job_events`)."""
     events = []
     for line in text.splitlines():
-        event = _runtime_event(line, node) or _agent_event(line, node, year)
-        if event is not None:
-            events.append(event)
+        match = _AGENT_LINE.match(line)
+        if not match:
+            continue
+        _, month_day, clock, fraction, message = match.groups()
+        for kind, pattern in _AGENT_PATTERNS:
+            if pattern.search(message):
+                stamp = time.mktime(time.strptime(f"{year}{month_day} {clock}", "%Y%m%d %H:%M:%S"))
+                events.append(JobEvent(stamp + float(f"0.{fraction}"), node, kind, text=message))
+                break
     return events
 
 
-def _runtime_event(line: str, node: str) -> LogEvent | None:
-    match = _RUNTIME_LINE.match(line)
-    if not match:
-        return None
-    stamp, millis, level, rank, _, message = match.groups()
-    when = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
-    if level in ("ERROR", "CRITICAL") and _LOAD_ERRORS.search(message):
-        return LogEvent(when, node, "load-error", int(rank), text=message)
-    for kind, pattern in _RUNTIME_PATTERNS:
-        found = pattern.match(message)
-        if found:
-            groups = found.groupdict()
-            if kind == "exit" and groups["reason"] == "done":
-                kind = "exit-done"  # the run's normal end, not a sign of a fault
-            return LogEvent(when, node, kind, int(rank), step=_int(groups.get("step")), path=groups.get("path", ""),
-                            world_size=_int(groups.get("world")), text=message)
-    return None
-
-
-def _agent_event(line: str, node: str, year: int) -> LogEvent | None:
-    match = _AGENT_LINE.match(line)
-    if not match:
-        return None
-    _, month_day, clock, fraction, message = match.groups()
-    for kind, pattern in _AGENT_PATTERNS:
-        if pattern.search(message):
-            stamp = time.mktime(time.strptime(f"{year}{month_day} {clock}", "%Y%m%d %H:%M:%S"))
-            return LogEvent(stamp + float(f"0.{fraction}"), node, kind, text=message)
-    return None
-
-
-def _int(value: str | None) -> int | None:
-    return None if value is None else int(value)
+def noticed(event: JobEvent) -> bool:
+    """Whether ``event`` shows the job noticed something (a normal end is not a detection)."""
+    return event.kind in DETECTION_KINDS and not (event.kind == Event.EXIT and event.reason == "done")
 
 
 def parse_metrics(lines: Iterable[str]) -> list[StepRecord]:
-    """Rank 0's per-step records (lines with a loss and no event); a half-written last line is skipped."""
+    """Rank 0's per-step records (the lines with a loss); a half-written last line, and any line that is not
+    a step record, is skipped."""
     records = []
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+            if isinstance(record, dict) and "loss" in record:
+                records.append(StepRecord(int(record["step"]), float(record["time"]), int(record["world_size"]),
+                                          float(record.get("step_time_s", 0.0))))
+        except (ValueError, TypeError, KeyError):
             continue
-        if "loss" in record and "event" not in record:
-            records.append(StepRecord(record["step"], record["time"], record["world_size"], record.get("step_time_s", 0.0)))
     return records
 
 
@@ -256,24 +257,37 @@ def step_dir(path: str) -> str:
 def run_checks(facts: RunFacts) -> list[Check]:
     """Every check, in a fixed order."""
     return [
+        check_events(facts.event_problems, facts.events, facts.steps),
         check_finished(facts),
         check_faults_fired(facts.faults, facts.open_schedule),
         check_survivors(facts.nodes),
         check_final_checkpoint(facts.final, facts.final_error, facts.max_steps),
         check_data(facts.commits, facts.reference, facts.final),
         check_weights(facts.steps, facts.final, facts.reference, facts.weights),
-        check_loads(facts.events, facts.commits, facts.faults),
+        check_loads(facts.events, facts.commits, facts.faults, facts.steps),
     ]
 
 
+def check_events(problems: list[str], events: list[JobEvent], steps: list[StepRecord]) -> Check:
+    """The events file was there and every line of it a valid event: the other checks read it, and a line
+    that is not an event may be one they need."""
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return Check("events-file", False, "; ".join(problems[:3]) + more)
+    ranks = {(event.node, event.rank) for event in events if event.kind not in AGENT_KINDS}
+    if steps and not ranks:
+        return Check("events-file", False, f"{len(steps)} steps logged but no worker wrote an event")
+    return Check("events-file", True, f"{sum(event.kind not in AGENT_KINDS for event in events)} events, every line valid")
+
+
 def check_finished(facts: RunFacts) -> Check:
-    done = [event for event in facts.events if event.kind == "done"]
+    done = [event for event in facts.events if event.kind == Event.DONE]
     if facts.timed_out:
         last = facts.steps[-1].step if facts.steps else 0
         return Check("job-finished", False, f"still running at the deadline, last step logged {last} of {facts.max_steps}")
     if not done:
         last = facts.steps[-1].step if facts.steps else 0
-        return Check("job-finished", False, f"every node exited but no rank logged 'done:'; last step logged {last}")
+        return Check("job-finished", False, f"every node exited but no rank wrote a 'done' event; last step logged {last}")
     return Check("job-finished", True, f"done at step {done[-1].step} after {facts.ended_at - facts.started_at:.0f} s")
 
 
@@ -324,7 +338,8 @@ def check_data(commits: list[Commit], reference: ReferenceFacts, final: Checkpoi
                          f"(data digest {digest[:12]}… != {expected[:12]}…); last matching checkpoint: step {good}")
         good = step
     if final is None:
-        return Check("data-digest", False, f"no final checkpoint to compare; {len(compared)} checkpoints matched up to step {good}")
+        return Check("data-digest", False,
+                     f"no final checkpoint to compare; {len(compared)} checkpoints matched up to step {good}")
     if final.data_digest != reference.final.data_digest:
         return Check("data-digest", False, f"the final checkpoint (step {final.step}) consumed other samples than the reference "
                      f"(data digest {final.data_digest[:12]}… != {reference.final.data_digest[:12]}…)")
@@ -352,31 +367,98 @@ def check_weights(steps: list[StepRecord], final: CheckpointFacts | None, refere
                  f"{weights.max_abs_diff:.3g}, world sizes {worlds})")
 
 
-def check_loads(events: list[LogEvent], commits: list[Commit], faults: list[FaultRecord]) -> Check:
-    """No checkpoint was ever loaded partially: every resume names a step directory committed before it (and
-    not un-committed or corrupted since), and no load failed half-way."""
-    errors = [event for event in events if event.kind == "load-error"]
-    if errors:
-        first = errors[0]
-        return Check("no-partial-load", False, f"{first.node} rank {first.rank}: load error: {first.text[:300]}")
-    resumes = [event for event in events if event.kind == "resumed"]
+def check_loads(events: list[JobEvent], commits: list[Commit], faults: list[FaultRecord],
+                steps: list[StepRecord]) -> Check:
+    """Every attempt of the job began by resuming from a checkpoint committed before it (and not un-committed
+    or corrupted since), or fresh when nothing had been committed; no restore failed half-way.
+
+    The events must show it: an attempt seen in the step records (a step redone, the world size changed) or
+    in the events (a process group formed, a worker that exited for a fault) without rank 0's ``resumed``
+    or ``started_fresh`` event fails the check; zero resumes where the run needed one is not a pass."""
+    name = "no-partial-load"
+    failed = [event for event in events if event.kind == Event.RESTORE_FAILED]
+    if failed:
+        first = failed[0]
+        return Check(name, False, f"{first.node} rank {first.rank}: restore failed: {first.text[:300]}")
+    starts = sorted((event for event in events if event.kind in ATTEMPT_START and event.rank == 0),
+                    key=lambda event: event.time)
+    problem = _unrecorded_attempt(starts, events, steps, faults) or _needless_fresh_start(starts, events, commits)
+    if problem:
+        return Check(name, False, problem)
+    resumes = [event for event in events if event.kind == Event.RESUMED]
     for resume in resumes:
         problem = _resume_problem(resume, events, commits, faults)
         if problem:
-            return Check("no-partial-load", False, f"resume at step {resume.step} ({resume.node}): {problem}")
-    return Check("no-partial-load", True, f"{len(resumes)} resume(s), each from a checkpoint committed and intact at the time")
+            return Check(name, False, f"resume at step {resume.step} ({resume.node} rank {resume.rank}): {problem}")
+    resumed = sum(start.kind == Event.RESUMED for start in starts)
+    return Check(name, True, f"{len(starts)} attempt(s), {resumed} resumed, each from a checkpoint committed and "
+                 "intact at the time")
 
 
-def _resume_problem(resume: LogEvent, events: list[LogEvent], commits: list[Commit], faults: list[FaultRecord]) -> str:
+def _unrecorded_attempt(starts: list[JobEvent], events: list[JobEvent], steps: list[StepRecord],
+                        faults: list[FaultRecord]) -> str:
+    """Why some attempt of the job has no start recorded by rank 0, or "" when each has one."""
+    if steps and not starts:
+        return "no 'resumed' or 'started_fresh' event from rank 0: the events do not say how the job began"
+    times = [start.time for start in starts]
+
+    def started(after: float, until: float = float("inf")) -> bool:
+        return any(after < when <= until for when in times)
+
+    ordered = sorted(steps, key=lambda record: record.time)
+    for previous, record in itertools.pairwise(ordered):
+        new_attempt = record.step <= previous.step or record.world_size != previous.world_size
+        if new_attempt and not started(previous.time, record.time):
+            return (f"step {record.step} at world size {record.world_size} came after step {previous.step} at world size "
+                    f"{previous.world_size}, in a new attempt, but rank 0 recorded no resume (or fresh start) between them")
+    formed = sorted(event.time for event in events if event.kind == Event.PROCESS_GROUP_FORMED and event.rank == 0)
+    for at, until in zip(formed, [*formed[1:], float("inf")]):
+        first = next((record for record in ordered if at < record.time < until), None)
+        if first is not None and not started(at, first.time):
+            return (f"an attempt formed its process group at {_clock(at)} and trained (step {first.step} at "
+                    f"{_clock(first.time)}) without a resume (or fresh start) recorded by rank 0")
+    for fault in faults:
+        if fault.fired_at is None or started(fault.fired_at):
+            continue
+        after = fault.fired_at
+        ended = _earliest(event for event in events if event.time > after
+                          and ((event.kind == Event.EXIT and event.reason != "done")
+                               or (event.kind == Event.PROCESS_GROUP_FORMED and event.rank == 0)))
+        if ended is not None:
+            what = f"{ended.kind} {ended.reason}" if ended.reason else ended.kind
+            return (f"fault {fault.label} was followed by a new attempt ({ended.node} rank {ended.rank}: {what}), "
+                    "but rank 0 recorded no resume after it")
+    return ""
+
+
+def _needless_fresh_start(starts: list[JobEvent], events: list[JobEvent], commits: list[Commit]) -> str:
+    """Why an attempt that started fresh should have resumed (a checkpoint was committed before it), or ""."""
+    for start in starts:
+        if start.kind != Event.STARTED_FRESH:
+            continue
+        committed = [event.step for event in events
+                     if event.kind == Event.COMMITTED and event.step is not None and event.time < start.time]
+        committed += [commit.step for commit in commits if commit.seen_at < start.time]
+        if committed:
+            return (f"rank 0 started fresh at {_clock(start.time)} ({start.reason}) although step {max(committed)} "
+                    "had been committed before")
+    return ""
+
+
+def _clock(when: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(when)) + f".{int(when * 1000) % 1000:03d}"
+
+
+def _resume_problem(resume: JobEvent, events: list[JobEvent], commits: list[Commit], faults: list[FaultRecord]) -> str:
     name = step_dir(resume.path)
-    committed_at = [event.time for event in events if event.kind == "committed" and step_dir(event.path) == name
+    committed_at = [event.time for event in events if event.kind == Event.COMMITTED and step_dir(event.path) == name
                     and event.time <= resume.time]
     committed_at += [commit.seen_at for commit in commits if f"step-{commit.step:08d}" == name and commit.seen_at <= resume.time]
     if not committed_at:
         return f"{name} was never seen committed before it was loaded"
     last_commit = max(committed_at)
     for event in events:
-        if event.kind == "uncommitted" and step_dir(event.path) == name and last_commit < event.time <= resume.time:
+        if event.kind == Event.UNCOMMITTED and step_dir(event.path) == name and last_commit < event.time <= resume.time:
             return f"{name} was un-committed before it was loaded and not committed again"
     for record in faults:
         if (record.kind == "corrupt-checkpoint" and record.fired_at is not None and f"/{name}/" in record.target
@@ -393,7 +475,7 @@ class FaultMetrics:
     """How the job recovered from one fault (None: not observed)."""
 
     detect_s: float | None = None
-    """Fault -> the first line showing the job noticed (an exit, a stop agreed, the agent seeing a failure)."""
+    """Fault -> the first event showing the job noticed (an exit, a stop agreed, the agent seeing a failure)."""
     agents_rendezvous_s: float | None = None
     """Fault -> the first rendezvous round the torchrun agents completed after it was noticed."""
     rendezvous_s: float | None = None
@@ -410,27 +492,25 @@ class FaultMetrics:
     """The next fault fired before this one's recovery was complete."""
 
 
-def fault_metrics(record: FaultRecord, events: list[LogEvent], steps: list[StepRecord],
+def fault_metrics(record: FaultRecord, events: list[JobEvent], steps: list[StepRecord],
                   next_fault_at: float | None) -> FaultMetrics:
-    """Recovery figures for one fired fault, from the log events and step records after it.
+    """Recovery figures for one fired fault, from the job's events and step records after it.
 
     Only a detection before ``next_fault_at`` counts (a fault the job did not notice by then gets no figures);
     the recovery it started may end after the next fault fired (``overlapped``).
     """
     if record.fired_at is None:
         return FaultMetrics()
-    start = record.fired_at - 0.002  # log stamps are truncated to milliseconds
+    start = record.fired_at - 0.002  # torchrun's log stamps are truncated to milliseconds
     window_end = next_fault_at if next_fault_at is not None else float("inf")
-    detected = _earliest(event for event in events
-                         if event.kind in DETECTION_KINDS and start <= event.time < window_end)
+    detected = _earliest(event for event in events if noticed(event) and start <= event.time < window_end)
     stall = longest_stall(record.fired_at, steps, window_end)
     if detected is None:  # not noticed before the next fault: whatever follows is that one's
         return FaultMetrics(stall_s=stall)
-    noticed = detected.time
-    agents = _earliest(event for event in events if event.kind == "agent-rendezvous" and event.time >= noticed)
-    formed = _earliest(event for event in events if event.kind == "pg-formed" and event.time >= noticed)
+    agents = _earliest(event for event in events if event.kind == "agent-rendezvous" and event.time >= detected.time)
+    formed = _earliest(event for event in events if event.kind == Event.PROCESS_GROUP_FORMED and event.time >= detected.time)
     first_step = _earliest(step for step in steps if formed is not None and step.time > formed.time)
-    resumed = _earliest(event for event in events if event.kind == "resumed" and event.time >= start)
+    resumed = _earliest(event for event in events if event.kind == Event.RESUMED and event.time >= start)
     redone = None
     if resumed is not None and resumed.step is not None:
         before = [step.step for step in steps if step.time < resumed.time]
@@ -500,9 +580,9 @@ def first_step_began(steps: list[StepRecord]) -> float | None:
     return None if first is None else first.time - first.step_time_s
 
 
-def attempt_starts(events: list[LogEvent]) -> list[float]:
-    """When each attempt of the job began (rank 0's resume or fresh-start line)."""
-    return sorted(event.time for event in events if event.kind in ("resumed", "fresh"))
+def attempt_starts(events: list[JobEvent]) -> list[float]:
+    """When each attempt of the job began (rank 0's ``resumed`` or ``started_fresh`` event)."""
+    return sorted(event.time for event in events if event.kind in ATTEMPT_START and event.rank == 0)
 
 
 def _attempt(when: float, starts: list[float]) -> int:
@@ -653,7 +733,7 @@ def facts_summary(facts: RunFacts) -> dict[str, Any]:
     return {
         "world_sizes": sorted({record.world_size for record in facts.steps}),
         "attempts": len(attempt_starts(facts.events)),
-        "resumes": sum(event.kind == "resumed" for event in facts.events),
+        "resumes": sum(event.kind == Event.RESUMED and event.rank == 0 for event in facts.events),
         "steps_logged": len(facts.steps),
         "commits_seen": len(facts.commits),
     }

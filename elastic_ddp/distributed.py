@@ -163,7 +163,7 @@ def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistCo
         "process group formed: rank %d/%d backend=%s device=%s store=%s:%d",
         env.rank, env.world_size, backend, device, env.master_addr, env.master_port,
     )
-    if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if env.rank == 0 and shares_agent_store():
         logger.warning(
             "workers share torchrun's long-lived agent store (MASTER_PORT=%d, restart %d): keys left by a failed "
             "attempt can break the next restart. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
@@ -171,6 +171,11 @@ def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistCo
             env.master_port, env.restart_count,
         )
     return DistContext(env=env, device=device, backend=backend)
+
+
+def shares_agent_store() -> bool:
+    """Whether this attempt's workers use torchrun's long-lived agent store (keys of failed attempts stay in it)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def shutdown_distributed() -> None:

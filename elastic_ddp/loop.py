@@ -17,7 +17,9 @@ shows them in the seed pipeline's own loop):
   timeout ends the worker (stacks dumped) so torchrun restarts the group.
 
 Run the script under ``torchrun`` (any rendezvous backend, ``etcd-v3`` included) and exit with
-:func:`exit_status` so the elastic agent tells a preemption from a failure.
+:func:`exit_status` so the elastic agent tells a preemption from a failure. Give both pieces the
+same :func:`open_events` log to have the run's events (resumed, committed, stop agreed, exit...)
+in ``<log_dir>/events.jsonl``, as the trainer writes them.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv, cpu_group
+from elastic_ddp.events import EventLog
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.exits import leave_job, log_exit
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import Stateful, TrainState, model_digest
 
-__all__ = ["Checkpointer", "Decision", "ElasticSampler", "StepGuard", "exit_status", "model_digest"]
+__all__ = ["Checkpointer", "Decision", "ElasticSampler", "EventLog", "StepGuard", "exit_status", "model_digest", "open_events"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,13 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def open_events(log_dir: str) -> EventLog:
+    """This rank's writer of ``<log_dir>/events.jsonl`` (after the process group is formed; "" writes nothing).
+    Pass it to :class:`Checkpointer` and :class:`StepGuard`; close it at the end."""
+    rank, _ = _world()
+    return EventLog(log_dir, run_id=LaunchEnv.from_env().run_id, rank=rank)
 
 
 class Checkpointer:
@@ -77,10 +87,12 @@ class Checkpointer:
         async_save: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         timeout_s: float = 600.0,
+        events: EventLog | None = None,
     ) -> None:
         """``model``: the module itself, not its DDP wrapper. ``fingerprint``: values a checkpoint must
         match to be resumed (model shape, data settings...): a mismatch is refused naming the key.
-        ``seed``: RNG streams are derived from it when a resume changes the world size."""
+        ``seed``: RNG streams are derived from it when a resume changes the world size. ``events``: where
+        resumed, committed, save_failed... go (:func:`open_events`)."""
         rank, world_size = _world()
         env = LaunchEnv.from_env()
         self.state = TrainState(
@@ -90,6 +102,7 @@ class Checkpointer:
         self.manager = CheckpointManager(
             uri, rank=rank, world_size=world_size, run_id=env.run_id, generation=env.restart_count, keep=keep,
             storage_options=dict(storage_options or {}), group=cpu_group(world_size, timeout_s, own=True), probe=True,
+            events=events,
         )
         self.background = AsyncCheckpointer(self.manager) if async_save else None
         self.last_saved_step: int | None = None
@@ -154,10 +167,13 @@ class StepGuard:
         spot_poll_interval_s: float = 5.0,
         handle_signals: bool = True,
         timeout_s: float = 600.0,
+        events: EventLog | None = None,
     ) -> None:
         """``hang_timeout_s``: a step (or the wait for the agreement) that takes longer ends this worker
-        with its stacks dumped; 0 disables. ``spot_notice_url``: 'aws', 'gcp' or an http(s) URL to poll."""
+        with its stacks dumped; 0 disables. ``spot_notice_url``: 'aws', 'gcp' or an http(s) URL to poll.
+        ``events``: where stop_requested, stop_agreed, watchdog_fired and the exit go (:func:`open_events`)."""
         _, world_size = _world()
+        self.events = events or EventLog.off()
         self.requests = StopRequests()
         if handle_signals:
             self.requests.install_signal_handlers()
@@ -166,10 +182,10 @@ class StepGuard:
             SpotNoticePoller(spot_notice_url, spot_poll_interval_s, self.requests).start() if spot_notice_url else None
         )
         limit = PhaseLimit(hang_timeout_s, "hang")
-        self.watchdog = Watchdog({Phase.STEP: limit, Phase.COLLECTIVE: limit}).start()
+        self.watchdog = Watchdog({Phase.STEP: limit, Phase.COLLECTIVE: limit}, events=self.events).start()
         self.agreement = StopAgreement(
             world_size=world_size, requests=self.requests, group=cpu_group(world_size, timeout_s, own=False),
-            interval_s=agreement_interval_s, watchdog=self.watchdog,
+            interval_s=agreement_interval_s, watchdog=self.watchdog, events=self.events,
         )
         self._step_started = time.perf_counter()
         self.watchdog.enter(Phase.STEP)
@@ -178,6 +194,7 @@ class StepGuard:
         """Call at the end of every step, on every rank, with the same step count. ``Decision.stop`` set:
         save and leave the loop now (every rank got the same decision at this step)."""
         now = time.perf_counter()
+        self.events.set_step(step)
         decision = self.agreement.after_step(step, now - self._step_started, save_due)
         self._step_started = time.perf_counter()
         self.watchdog.enter(Phase.STEP)
@@ -205,7 +222,7 @@ def exit_status(decision: Decision | None, guard: StepGuard | None = None) -> in
     """
     reason = decision.stop if decision is not None and decision.stop else "done"
     source = guard.stop_source if guard is not None else None
-    code = log_exit(reason, source or "")
+    code = log_exit(reason, source or "", guard.events if guard is not None else None)
     leave_job(source)
     return code
 

@@ -42,6 +42,7 @@ from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_o
 from elastic_ddp.data import ElasticSampler, StepPlan
 from elastic_ddp.distributed import DistContext, cpu_group
 from elastic_ddp.errors import CheckpointError, DataError
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
 from elastic_ddp.resilience.agreement import StopAgreement
@@ -104,7 +105,9 @@ class Trainer:
         built: Built,
         *,
         log_context: LogContext | None = None,
+        events: EventLog | None = None,
     ) -> None:
+        """``events``: the run's event stream (resumed, committed, stop agreed, done, ...); none: not written."""
         self.config = config
         self.context = context
         self.device = context.device
@@ -115,6 +118,7 @@ class Trainer:
         )
         self.tokens_per_sample = built.tokens_per_sample
         self.log_context = log_context
+        self.events = events or EventLog.off()
         self.log0 = main_only(logger, context.rank)
         self.model = built.model.to(self.device)
         self.optimizer = self._make_optimizer(built)
@@ -159,6 +163,7 @@ class Trainer:
         self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
         self._start_resilience()
         self._restore_or_start_fresh()
+        self.events.set_step(self.state.counters.step)
         self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self._empty_batch: Any = None
         amp_dtype = getattr(torch, config.amp_dtype)
@@ -177,7 +182,9 @@ class Trainer:
         if built.optimizer is not None:
             optimizer = built.optimizer(self.model)
             if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+                raise TypeError(
+                    f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
+                )
         else:
             optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
@@ -216,6 +223,7 @@ class Trainer:
             storage_options=storage_options(self.config.checkpoint),
             group=self.control_group,
             probe=True,
+            events=self.events,
         )
 
     def _start_resilience(self) -> None:
@@ -239,18 +247,23 @@ class Trainer:
                 Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, "save-deadline"),
             },
             log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
+            events=self.events,
         ).start()
         self.agreement = StopAgreement(
             world_size=self.context.world_size, requests=self.stop, group=self.agreement_group,
-            interval_s=resilience.agreement_interval_s, watchdog=self.watchdog,
+            interval_s=resilience.agreement_interval_s, watchdog=self.watchdog, events=self.events,
         )
 
     def _restore_or_start_fresh(self) -> None:
+        """Resume, or start at step 0; the manager's restore writes its ``resumed`` or ``started_fresh`` event."""
         restored = None
         if self.checkpoints is not None and self.config.checkpoint.resume:
             restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start)
-        elif self.checkpoints is not None:
-            self.checkpoints.refuse_if_committed()
+        else:
+            if self.checkpoints is not None:
+                self.checkpoints.refuse_if_committed()
+            self.events.emit(Event.STARTED_FRESH, world_size=self.context.world_size,
+                             reason="no-checkpoint-dir" if self.checkpoints is None else "resume-disabled")
         if restored is None:
             seed_rng_streams(derive_rng_seed(self.config.seed, 0, self.context.rank))
             self.log0.info("starting fresh at step 0 (world size %d)", self.context.world_size)
@@ -274,7 +287,8 @@ class Trainer:
             "pass --optim-decay-steps %s to keep the schedule the run started with",
             saved, now, "" if self.config.optim.decay_steps else " (--optim-decay-steps 0 follows --max-steps)", saved,
         )
-        self.metrics.write({"event": "lr_horizon_changed", "step": self.state.counters.step, "saved": saved, "now": now})
+        if self.context.is_main:
+            self.events.emit(Event.LR_HORIZON_CHANGED, step=self.state.counters.step, saved=saved, now=now)
 
     def _make_loader(self) -> Iterator[Any]:
         workers = self.config.loader.num_workers
@@ -286,7 +300,9 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
             # Workers' seeds come from this generator, not the global RNG, so building the loader
             # leaves the model's RNG streams untouched (bitwise resume).
-            generator=torch.Generator().manual_seed(derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)),
+            generator=torch.Generator().manual_seed(
+                derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)
+            ),
         )
         return iter(loader)
 
@@ -382,11 +398,9 @@ class Trainer:
                 self._last_commit_step = step
             self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
         self.watchdog.enter(Phase.IDLE)
-        result = TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
-                             model_digest="", data_digest=self.sampler.data_digest, reason=reason,
-                             stop_source=self.stop.reason)
-        self.metrics.write({"event": "stop", **result.__dict__})
-        return result
+        return TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
+                           model_digest="", data_digest=self.sampler.data_digest, reason=reason,
+                           stop_source=self.stop.reason)
 
     def _finish(self, last_loss: float | None) -> TrainResult:
         counters = self.state.counters
@@ -414,7 +428,8 @@ class Trainer:
             "".join(f"eval_{name}={_fmt(value)} " for name, value in metrics.items()),
             result.model_digest, result.data_digest,
         )
-        self.metrics.write({"event": "done", **result.__dict__})
+        self.events.emit(Event.DONE, step=result.step, epoch=result.epoch, model_digest=result.model_digest,
+                         data_digest=result.data_digest, loss=result.loss, accuracy=result.accuracy, metrics=metrics)
         return result
 
     def _step(self, plan: StepPlan, batches: Iterator[Any], loss_sum: torch.Tensor) -> float:
@@ -504,6 +519,7 @@ class Trainer:
     # -- logging, eval, checkpoints ------------------------------------------------
 
     def _set_log_step(self, step: int) -> None:
+        self.events.set_step(step)
         if self.log_context is not None:
             self.log_context.set_step(step)
 
@@ -546,7 +562,8 @@ class Trainer:
             self.model.train()
         self._last_eval = (self.state.counters.step, metrics)
         logger.info("eval %s", " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
-        self.metrics.write({"step": self.state.counters.step, **{f"eval_{k}": v for k, v in metrics.items()}, "time": time.time()})
+        evaluated = {f"eval_{name}": value for name, value in metrics.items()}
+        self.metrics.write({"step": self.state.counters.step, **evaluated, "time": time.time()})
         return metrics
 
     def save_checkpoint(self, blocking: bool = False) -> None:

@@ -59,13 +59,6 @@ class JobResult:
     returncode: int
     output: str
 
-    def done_line(self) -> dict[str, str]:
-        """The rank-0 'done:' line's key=value pairs (step, model_digest, data_digest, ...)."""
-        for line in self.output.splitlines():
-            if "elastic_ddp.trainer: done:" in line:
-                return dict(part.split("=", 1) for part in line.split("done: ", 1)[1].split())
-        raise AssertionError(f"no 'done:' line in output:\n{self.output[-3000:]}")
-
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
@@ -128,3 +121,24 @@ def load_model_state(uri: str) -> dict[str, torch.Tensor]:
 def metrics(log_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]
+
+
+def events(log_dir: str | Path, kind: str = "") -> list[dict[str, Any]]:
+    """The run's events (every line must be a valid event), or only those of ``kind``."""
+    from elastic_ddp.events import Event, read_events
+
+    records, problems = read_events(log_dir)
+    assert not problems, problems
+    return [record for record in records if not kind or record["event"] == Event(kind)]
+
+
+def done_event(log_dir: str | Path) -> dict[str, Any]:
+    """Rank 0's last ``done`` event: step, epoch, model_digest, data_digest, loss, accuracy, metrics."""
+    done = [record for record in events(log_dir, "done") if record["rank"] == 0]
+    assert done, f"no rank 0 'done' event under {log_dir}"
+    return done[-1]
+
+
+def resumed_steps(log_dir: str | Path) -> dict[int, int]:
+    """Rank -> the step it resumed from, by the ``resumed`` events (the last resume of each rank)."""
+    return {record["rank"]: record["step"] for record in events(log_dir, "resumed")}

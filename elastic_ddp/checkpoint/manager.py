@@ -49,8 +49,10 @@ from elastic_ddp.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointStorageError,
+    ElasticDDPError,
     NoValidCheckpointError,
 )
+from elastic_ddp.events import Event, EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,9 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, list[torch.Tensor]] = {}
 
-    def stage(self, name: str, flat: Flat, defer: frozenset[int] = frozenset()) -> tuple[Flat, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def stage(
+        self, name: str, flat: Flat, defer: frozenset[int] = frozenset()
+    ) -> tuple[Flat, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The staged payload, and the ``(buffer, tensor)`` pairs left to copy: those whose data pointer is in ``defer``."""
         buffers = self._buffers.get(name, [])
         if len(buffers) != len(flat.tensors) or any(
@@ -187,10 +191,12 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
         probe: bool = False,
+        events: EventLog | None = None,
     ) -> None:
         """``probe``: before anything else, rank 0 writes and removes a small file under ``uri``, and
         every rank raises :class:`CheckpointStorageError` naming the URI if that failed (a path that is
-        a file, a read-only directory, a bucket that does not exist), instead of at the first save."""
+        a file, a read-only directory, a bucket that does not exist), instead of at the first save.
+        ``events``: where what a save or restore decided goes (committed, save_failed, resumed, ...)."""
         if keep < 2:
             raise CheckpointError(f"keep={keep}: at least 2 checkpoints must be kept so a corrupt one has a fallback")
         self.uri = uri
@@ -201,6 +207,7 @@ class CheckpointManager:
         self.generation = generation
         self.keep = keep
         self.group = group
+        self.events = events or EventLog.off()
         self.stager = Stager()
         self.token = self._shared_token(probe)
         self._retention: threading.Thread | None = None
@@ -258,7 +265,15 @@ class CheckpointManager:
         return staged
 
     def write_and_commit(self, staged: Staged) -> Manifest:
-        """Write this rank's files, then (rank 0) commit the manifest; raises on every rank if any part failed."""
+        """Write this rank's files, then (rank 0) commit the manifest; raises on every rank if any part failed
+        (each rank's ``save_failed`` event says why)."""
+        try:
+            return self._write_and_commit(staged)
+        except Exception as exc:
+            self.events.emit(Event.SAVE_FAILED, step=staged.step, error=_describe(exc))
+            raise
+
+    def _write_and_commit(self, staged: Staged) -> Manifest:
         directory = self.storage.join(step_dir_name(staged.step))
         if staged.failure is not None:
             records, error = {}, f"rank {self.rank} could not stage its state: {staged.failure}"
@@ -274,7 +289,7 @@ class CheckpointManager:
                 outcome[1:], cause = [str(exc), True], exc
             except CheckpointError as exc:
                 outcome[1], cause = str(exc), exc
-            except Exception as exc:  # noqa: BLE001 - every rank waits for this outcome; a bug must reach them too
+            except Exception as exc:  # every rank waits for this outcome; a bug must reach them too
                 logger.exception("committing the checkpoint of step %d failed unexpectedly", staged.step)
                 outcome[1], cause = f"{type(exc).__name__}: {exc}", exc
         self._broadcast_from_main(outcome)
@@ -312,6 +327,8 @@ class CheckpointManager:
         self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
         self._verified.add(manifest.to_json())
         logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
+        self.events.emit(Event.COMMITTED, step=staged.step, path=directory, world_size=self.world_size, files=len(files),
+                         bytes=manifest.total_bytes)
         self._after_commit(manifest)
         return manifest
 
@@ -340,7 +357,7 @@ class CheckpointManager:
             self.apply_retention()
         except CheckpointError as exc:
             logger.warning("checkpoint of step %d is committed, but retention failed: %s", step, exc)
-        except Exception:  # noqa: BLE001 - a bug here must be seen, and must not end the training
+        except Exception:  # a bug here must be seen, and must not end the training
             logger.exception("checkpoint of step %d is committed, but retention failed", step)
 
     def wait_for_retention(self) -> None:
@@ -401,7 +418,19 @@ class CheckpointManager:
     # -- restore -----------------------------------------------------------------
 
     def restore(self, state: CheckpointState, allow_fresh_start: bool = False) -> Restored | None:
-        """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load."""
+        """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load.
+        Each rank writes what happened: ``resumed``, ``started_fresh`` or ``restore_failed``."""
+        try:
+            restored = self._restore(state, allow_fresh_start)
+        except CheckpointError as exc:
+            self.events.emit(Event.RESTORE_FAILED, error=str(exc))
+            raise
+        if restored is not None:
+            self.events.emit(Event.RESUMED, step=restored.step, path=restored.path, saved_world_size=restored.world_size,
+                             world_size=self.world_size, rank_state_reused=restored.rank_state_reused)
+        return restored
+
+    def _restore(self, state: CheckpointState, allow_fresh_start: bool) -> Restored | None:
         choice: list[Any] = [None, None]
         preloaded: dict[str, Any] = {}
         if self.rank == 0:
@@ -416,6 +445,8 @@ class CheckpointManager:
                 )
             if problem:
                 logger.warning("no valid checkpoint under %s (%s); starting fresh as allowed", self.uri, problem)
+            self.events.emit(Event.STARTED_FRESH, world_size=self.world_size,
+                             reason="no-valid-checkpoint" if problem else "no-checkpoint")
             return None
         info = self.describe(step)
         manifest = info.manifest
@@ -454,6 +485,7 @@ class CheckpointManager:
                 decoded = {name: deserialize(data[name], info.path) for name in mine if name in data}
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.path, exc)
+                self.events.emit(Event.CHECKPOINT_SKIPPED, step=info.step, path=info.path, reason=str(exc))
                 rejected.append((info, str(exc)))
                 continue
             if rejected:
@@ -485,9 +517,11 @@ class CheckpointManager:
     def _uncommit(self, info: CheckpointInfo, reason: str) -> None:
         """Set aside the manifest of a checkpoint that failed verification, keeping it for inspection."""
         manifest_path = self._manifest_path(info.step)
-        self.storage.replace(self.storage.join(step_dir_name(info.step), REJECTED_MANIFEST_NAME), self.storage.read(manifest_path))
+        rejected_path = self.storage.join(step_dir_name(info.step), REJECTED_MANIFEST_NAME)
+        self.storage.replace(rejected_path, self.storage.read(manifest_path))
         self.storage.remove(manifest_path)
         logger.warning("un-committed %s (%s); its step will be saved again", info.path, reason)
+        self.events.emit(Event.UNCOMMITTED, step=info.step, path=info.path, reason=reason)
 
     # -- retention ---------------------------------------------------------------
 
@@ -582,6 +616,11 @@ class CheckpointManager:
     def _broadcast_from_main(self, items: list[Any]) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.broadcast_object_list(items, src=0, group=self.group)
+
+
+def _describe(exc: BaseException) -> str:
+    """An error as an event states it: the runtime's own messages as they are, others with their type."""
+    return str(exc) if isinstance(exc, ElasticDDPError) else f"{type(exc).__name__}: {exc}"
 
 
 def deserialize(data: bytes, where: str) -> Any:

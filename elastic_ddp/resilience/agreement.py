@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.resilience.stop import StopRequests
 from elastic_ddp.resilience.watchdog import Phase
 
@@ -76,11 +77,13 @@ class StopAgreement:
         group: dist.ProcessGroup | None = None,
         interval_s: float = 0.25,
         watchdog: PhaseMarker | None = None,
+        events: EventLog | None = None,
     ) -> None:
         """``requests``: where stop requests arrive; None makes one that handles SIGTERM and SIGINT
         (restored by :meth:`close`). ``group``: a CPU (gloo) group, or None for the default group when
         that is gloo; with NCCL training pass a gloo group, so reading the flags never waits for the
-        device. ``interval_s``: agree every few steps when steps are shorter than this (0: every step)."""
+        device. ``interval_s``: agree every few steps when steps are shorter than this (0: every step).
+        ``events``: where ``stop_requested`` (this rank was asked) and ``stop_agreed`` go."""
         self.world_size = world_size
         self._owns_requests = requests is None
         self.requests = requests or StopRequests()
@@ -93,6 +96,9 @@ class StopAgreement:
         """The all-reduce started at the end of the previous agreeing step."""
         self._next = 0
         """The step at whose end the next agreement starts (the same on every rank)."""
+        self.events = events or EventLog.off()
+        self._reported: set[Event] = set()
+        """The stop events already written (each once: a loop that goes on asking adds nothing)."""
 
     @property
     def reason(self) -> str | None:
@@ -102,6 +108,19 @@ class StopAgreement:
     def after_step(self, step: int, step_time: float, save_due: bool = False, save_failed: bool = False) -> Decision:
         """Call at the end of every step on every rank, with the same ``step``; act on the decision at once.
         ``save_failed``: this rank's background save has failed (the decision then says so on every rank)."""
+        decision = self._decide(step, step_time, save_due, save_failed)
+        if self.requests.requested:  # read after the decision, so a request it carries is reported before it
+            self._report_once(Event.STOP_REQUESTED, reason=self.requests.reason)
+        if decision.stop is not None:
+            self._report_once(Event.STOP_AGREED, step=step, reason=decision.stop, source=self.requests.reason or "peer")
+        return decision
+
+    def _report_once(self, kind: Event, **fields: object) -> None:
+        if kind not in self._reported:
+            self._reported.add(kind)
+            self.events.emit(kind, **fields)
+
+    def _decide(self, step: int, step_time: float, save_due: bool, save_failed: bool) -> Decision:
         if self.world_size == 1:
             return decide(self.requests.requested, save_due, self.requests.requested, save_failed)
         decision = Decision()

@@ -32,6 +32,7 @@ import os
 import signal
 import time
 
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.prefork import agent_pid
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,14 @@ def exit_code(reason: str) -> int:
     return EXIT_CODES[reason.split(":", 1)[0]]
 
 
-def log_exit(reason: str, detail: str = "") -> int:
-    """Log the one line that says why this worker exits; return its exit status."""
+def log_exit(reason: str, detail: str = "", events: EventLog | None = None, error: str = "") -> int:
+    """Log the one line that says why this worker exits, and write its ``exit`` event (with ``error``, the
+    message of the error that ended it, logged before on its own line); return its exit status."""
     code = exit_code(reason)
     logger.log(logging.INFO if code == 0 else logging.ERROR, "exit: reason=%s status=%d%s", reason, code,
                f" ({detail})" if detail else "")
+    if events is not None:
+        events.emit(Event.EXIT, reason=reason, status=code, detail=detail, **({"error": error} if error else {}))
     return code
 
 
@@ -79,7 +83,8 @@ def write_error_file(reason: str, message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    body = {"message": {"message": f"{reason}: {message}", "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    body = {"message": {"message": f"{reason}: {message}", "extraInfo": extra}}
     try:
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(body, handle)

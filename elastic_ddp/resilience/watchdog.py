@@ -1,4 +1,5 @@
-"""The hang watchdog (docs/design.md, "Failure semantics"): a thread that knows the current phase and the time of the last progress.
+"""The hang watchdog (docs/design.md, "Failure semantics"): a thread that knows the current phase and the time of
+the last progress.
 
 The trainer marks phases (``data``, ``step``, ``collective``, ``checkpoint``, ...). When a phase
 with a timeout lasts longer than it, the watchdog writes the phase and every thread's stack
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.resilience.exits import exit_code, log_exit, write_error_file
 
 logger = logging.getLogger(__name__)
@@ -56,12 +58,15 @@ class Watchdog:
         log_file: str = "",
         poll_s: float = 1.0,
         exit: Callable[[int], None] = os._exit,
+        events: EventLog | None = None,
     ) -> None:
         """``exit``: what ends the process on expiry, with the reason's status (``os._exit``: no cleanup
-        that could hang too); a test passes a recorder to watch an expiry in-process."""
+        that could hang too); a test passes a recorder to watch an expiry in-process. ``events``: where
+        the ``watchdog_fired`` and ``exit`` events of an expiry go."""
         self.limits = {Phase(phase): limit for phase, limit in limits.items() if limit.timeout_s > 0}
         self.log_file = log_file
         self.exit = exit
+        self.events = events or EventLog.off()
         shortest = min((limit.timeout_s for limit in self.limits.values()), default=poll_s * 4)
         self.poll_s = min(poll_s, shortest / 4)
         self.phase = Phase.IDLE
@@ -96,9 +101,11 @@ class Watchdog:
         reason = limit.reason if limit.reason != "hang" else f"hang:{phase.value}"
         message = f"no progress in phase {phase.value!r} for {stuck_s:.1f} s (limit {limit.timeout_s:g} s)"
         logger.error("watchdog: %s; dumping all thread stacks", message)
+        self.events.emit(Event.WATCHDOG_FIRED, phase=phase.value, reason=reason, stuck_s=round(stuck_s, 3),
+                         limit_s=limit.timeout_s)
         self._dump_stacks(reason, message)
         write_error_file(reason, message)
-        log_exit(reason, message)
+        log_exit(reason, message, self.events)
         for handler in logging.getLogger().handlers:
             handler.flush()
         self.exit(exit_code(reason))

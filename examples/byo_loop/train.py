@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import Checkpointer, ElasticSampler, StepGuard, exit_status
+from elastic_ddp.loop import Checkpointer, ElasticSampler, StepGuard, exit_status, open_events
 
 
 @dataclass
@@ -48,6 +48,7 @@ class TrainingConfig:
     log_every: int = 20
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) goes here
     lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
 
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)
     ddp = DistributedDataParallel(model)
@@ -105,14 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     sampler = ElasticSampler(len(dataset), global_batch_size=config.batch_size, seed=config.seed, rank=rank,
                              world_size=world_size, grad_accum_steps=config.grad_accum_steps)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers)
+    events = open_events(config.log_dir)
     checkpointer = config.checkpoint_dir and Checkpointer(
         config.checkpoint_dir, model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
-        scaler=scaler if scaler.is_enabled() else None, seed=config.seed,
+        scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
         fingerprint={name: getattr(config, name) for name in ("seed", "batch_size", "num_samples", "hidden", "lr_decay_every")})
     step = checkpointer.restore() if checkpointer else 0
     if rank == 0 and step:
         print(f"resumed at step {step}")
-    guard, decision = StepGuard(), None
+    guard, decision = StepGuard(events=events), None
     batches = iter(loader)
     while step < config.max_steps:
         plan = sampler.plan()
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler.commit(plan)
         step += 1
         if rank == 0 and step % config.log_every == 0:
-            print(f"step {step} loss {loss.item() / sampler.loss_scale(plan) / len(inputs):.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+            mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
+            print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
         decision = guard.after_step(step)
         if decision.stop:
             break
@@ -142,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.save(step, blocking=True)
         checkpointer.close()
     dist.destroy_process_group()
-    return exit_status(decision, guard)
+    status = exit_status(decision, guard)
+    events.close()
+    return status
 
 
 if __name__ == "__main__":

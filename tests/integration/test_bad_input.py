@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import import_example, train, train_ok
+from tests.jobs import events, import_example, resumed_steps, train, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -88,8 +88,10 @@ def test_resume_with_incompatible_config_is_refused_naming_the_field(saved: Path
 def test_resume_may_change_max_steps_and_cadence(saved: Path, tmp_path: Path) -> None:
     copy = tmp_path / "ckpt"
     shutil.copytree(saved, copy)
-    result = train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy), "--checkpoint-every", "3", "--log-every", "2"])
-    assert "resumed from" in result.output and "step=6" in result.output
+    train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy), "--checkpoint-every", "3", "--log-every", "2",
+              "--log-dir", str(tmp_path / "logs")])
+    assert resumed_steps(tmp_path / "logs") == {0: 4}
+    assert [e["step"] for e in events(tmp_path / "logs", "done")] == [6]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -114,11 +116,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved: Path, t
     shutil.copytree(saved, copy)
     newest = sorted(copy.glob("step-*"))[-1]
     next(newest.glob("replicated-*.eddp")).write_bytes(b"not a checkpoint")
-    result = train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy)])
-    assert "skipping checkpoint" in result.output and "falling back" in result.output
-    assert "resumed from" in result.output and "step 2," in result.output
-    assert "un-committed" in result.output  # so step 4 could be committed again
-    assert "step=6" in result.output
+    logs = tmp_path / "logs"
+    train_ok(["--max-steps", "6", "--checkpoint-dir", str(copy), "--checkpoint-every", "2", "--log-dir", str(logs)])
+    restore = [(e["event"], e.get("step")) for e in events(logs) if e["event"] != "process_group_formed"][:3]
+    assert restore == [("checkpoint_skipped", 4), ("uncommitted", 4), ("resumed", 2)]
+    assert events(logs, "committed")[0]["step"] == 4  # the un-committed step was committed again
+    assert [e["step"] for e in events(logs, "done")] == [6]
 
 
 def test_unreachable_peers_fail_naming_rank_address_and_timeout() -> None:
@@ -149,10 +152,11 @@ def test_a_checkpoint_dir_that_is_a_file_fails_before_the_first_step_naming_it(t
     afile = tmp_path / "ckpt"
     afile.write_text("not a directory")
     started = time.monotonic()
-    result = train(["--max-steps", "5", "--checkpoint-dir", str(afile)])
+    result = train(["--max-steps", "5", "--checkpoint-dir", str(afile), "--log-dir", str(tmp_path / "logs")])
     assert time.monotonic() - started < 10
     assert result.returncode == 1 and "Traceback" not in result.output
-    assert f"checkpoint location {afile} is not usable" in result.output and "loss " not in result.output
+    assert f"checkpoint location {afile} is not usable" in result.output
+    assert [e["event"] for e in events(tmp_path / "logs")] == ["process_group_formed", "exit"]  # no start, no step
 
 
 def test_a_fresh_start_over_damaged_checkpoints_keeps_every_new_checkpoint(tmp_path: Path) -> None:
@@ -164,7 +168,11 @@ def test_a_fresh_start_over_damaged_checkpoints_keeps_every_new_checkpoint(tmp_p
     train_ok(["--max-steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"])
     for path in ckpt.glob("step-*/replicated-*.eddp"):
         os.truncate(path, 100)
-    train_ok(["--max-steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--checkpoint-allow-fresh-start"])
+    logs = tmp_path / "logs"
+    train_ok(["--max-steps", "9", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--checkpoint-allow-fresh-start",
+              "--log-dir", str(logs)])
+    assert sorted(e["step"] for e in events(logs, "uncommitted")) == [10, 20, 30]
+    assert [e["reason"] for e in events(logs, "started_fresh")] == ["no-valid-checkpoint"]
     listing = run([sys.executable, "-m", "elastic_ddp.cli", "ckpt", "ls", str(ckpt)], timeout=60).output
     valid = sorted(int(line.split()[0]) for line in listing.splitlines()[1:] if line.rstrip().endswith("yes"))
     assert valid == [3, 6, 9], listing

@@ -4,7 +4,6 @@ and state, and the library path in a hand-written loop (examples/byo_loop). Both
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,11 @@ from tests.jobs import (
     TORCHRUN,
     WORLD_CHANGE_ATOL,
     WORLD_CHANGE_RTOL,
+    events,
     inspect,
     load_model_state,
     metrics,
+    resumed_steps,
     run,
 )
 
@@ -55,8 +56,10 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _resume(custom: dict, name: str, nproc: int) -> str:
     target = custom["root"] / name
     shutil.copytree(custom["root"] / "half", target)
-    output = launch(CUSTOM, ["--max-steps", "24", "--checkpoint-dir", str(target), *custom["common"]], nproc=nproc)
-    assert "resumed from" in output and "step 12" in output
+    logs = custom["root"] / f"{name}-logs"
+    launch(CUSTOM, ["--max-steps", "24", "--checkpoint-dir", str(target), "--log-dir", str(logs), *custom["common"]],
+           nproc=nproc)
+    assert resumed_steps(logs) == dict.fromkeys(range(nproc), 12)
     return str(target)
 
 
@@ -86,9 +89,14 @@ def test_a_weighted_loss_stays_the_global_mean_when_the_world_size_changes(custo
 def test_a_hand_written_loop_resumes_bitwise_through_the_library(tmp_path: Path) -> None:
     common = ["--checkpoint-every", "10", "--log-every", "10"]
     launch(BYO, ["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "straight"), *common])
-    launch(BYO, ["--max-steps", "15", "--checkpoint-dir", str(tmp_path / "split"), *common])
-    output = launch(BYO, ["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "split"), *common])
-    assert "resumed at step 15" in output
+    launch(BYO, ["--max-steps", "15", "--checkpoint-dir", str(tmp_path / "split"), *common, "--log-dir", str(tmp_path / "first")])
+    logs = tmp_path / "second"
+    launch(BYO, ["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "split"), *common, "--log-dir", str(logs)])
+    first = [(e["rank"], e["event"], e.get("step")) for e in events(tmp_path / "first") if e["event"] != "committed"]
+    assert sorted(first) == [(0, "exit", 15), (0, "started_fresh", None), (1, "exit", 15), (1, "started_fresh", None)]
+    assert resumed_steps(logs) == {0: 15, 1: 15}
+    assert [e["step"] for e in events(logs, "committed")] == [20, 30]  # the library path's saves, committed by rank 0
+    assert {(e["rank"], e["reason"], e["status"]) for e in events(logs, "exit")} == {(0, "done", 0), (1, "done", 0)}
     ours, reference = inspect(str(tmp_path / "split")), inspect(str(tmp_path / "straight"))
     assert ours["step"] == 30 and ours["world_size"] == 2
     assert (ours["model_digest"], ours["data_digest"]) == (reference["model_digest"], reference["data_digest"])

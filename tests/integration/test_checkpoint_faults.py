@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from chaos.cluster import wait_for
-from tests.jobs import BASE_ARGS, TORCHRUN, TRAIN, child_env, inspect
+from tests.jobs import BASE_ARGS, TORCHRUN, TRAIN, child_env, events, inspect
 
 pytestmark = pytest.mark.integration
 
@@ -36,10 +36,11 @@ def test_s3_outage_during_async_save_stops_every_rank_and_keeps_the_previous_che
             job.kill()
         s3_server.resume()
     assert job.returncode != 0
-    failures = [line for line in output.splitlines() if "was not committed" in line and "ERROR" in line]
-    ranks = {line.split("/", 2)[1].split()[0] for line in failures}  # "[run/RANK step]"
-    assert ranks == {"0", "1"}, output[-4000:]
-    assert output.count("exit: reason=error status=1") == 2
+    failed = events(logs, "save_failed")
+    assert {event["rank"] for event in failed} == {0, 1}, output[-4000:]
+    assert all("was not committed" in event["error"] for event in failed)
+    assert sorted((event["rank"], event["reason"], event["status"]) for event in events(logs, "exit")) == [
+        (0, "error", 1), (1, "error", 1)]
     facts = inspect(s3_server.uri)  # the newest committed checkpoint still verifies
     assert facts["step"] % 20 == 0 and facts["step"] >= 40
 
@@ -50,14 +51,16 @@ def test_a_background_save_failing_on_one_rank_stops_every_rank_at_the_same_step
     from tests.jobs import REPO, run
 
     script = str(REPO / "tests" / "fixtures" / "failing_save_train.py")
+    logs = tmp_path / "logs"
     result = run(TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", script, *BASE_ARGS,
                              "--max-steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50",
-                             "--dist-collective-timeout-s", "60", "--log-progress", "off", "--log-every", "10"],
+                             "--dist-collective-timeout-s", "60", "--log-progress", "off", "--log-every", "10",
+                             "--log-dir", str(logs)],
                  timeout=120, env={"FAIL_SAVE_STEP": "100"})
     assert result.returncode != 0
-    errors = [line for line in result.output.splitlines() if "ERROR" in line and "elastic_ddp.entry" in line]
-    stopped = {line.split("/", 2)[1].split("]")[0] for line in errors}  # "[run/RANK STEP]" -> "RANK STEP"
-    assert {entry.split()[0] for entry in stopped} == {"0", "1"}, result.output[-3000:]
-    assert len({entry.split()[1] for entry in stopped}) == 1, stopped  # the same step on both ranks
-    assert all("step 100" in line and "No space left on device" in line for line in errors), errors
+    assert {(event["rank"], event["step"]) for event in events(logs, "save_failed")} == {(0, 100), (1, 100)}
+    exits = events(logs, "exit")
+    assert {(event["rank"], event["reason"]) for event in exits} == {(0, "error"), (1, "error")}, result.output[-3000:]
+    assert len({event["step"] for event in exits}) == 1, exits  # both ranks stopped at the same step
+    assert all("step 100" in event["error"] and "No space left on device" in event["error"] for event in exits), exits
     assert inspect(str(tmp_path / "ckpt"))["step"] == 50

@@ -14,6 +14,7 @@ storage-options flag, so it relies on the environment.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from fsspec.core import strip_protocol
 
 from elastic_ddp.checkpoint.manifest import step_dir_name
 from tests.fixtures.s3 import S3Endpoint
-from tests.jobs import WORLD_CHANGE_ATOL, WORLD_CHANGE_RTOL, inspect, load_model_state, train_ok
+from tests.jobs import WORLD_CHANGE_ATOL, WORLD_CHANGE_RTOL, events, inspect, load_model_state, resumed_steps, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -55,11 +56,11 @@ def copy_prefix(s3: S3Endpoint, source: str, target: str) -> None:
         fs.copy(key, target_key + key[len(source_key):])
 
 
-def resume_copy(s3: S3Endpoint, first_half: str, name: str, extra: list[str], nproc: int) -> dict:
+def resume_copy(s3: S3Endpoint, first_half: str, name: str, extra: list[str], nproc: int, logs: Path) -> dict:
     uri = s3.child_uri(name)
     copy_prefix(s3, first_half, uri)
-    result = train_ok(["--max-steps", "40", *checkpoint_args(uri), *extra], nproc=nproc)
-    assert "resumed from" in result.output and "step 20" in result.output
+    train_ok(["--max-steps", "40", *checkpoint_args(uri), "--log-dir", str(logs), *extra], nproc=nproc)
+    assert resumed_steps(logs) == dict.fromkeys(range(nproc), 20)
     return {"uri": uri, "facts": inspect(uri)}
 
 
@@ -84,9 +85,9 @@ def test_s3_checkpoints_hold_the_same_model_and_data_as_local_disk(
 
 
 def test_resume_from_s3_at_same_world_size_is_bitwise_identical(
-    reference: dict, first_half: str, s3_server_module: S3Endpoint
+    reference: dict, first_half: str, s3_server_module: S3Endpoint, tmp_path: Path
 ) -> None:
-    resumed = resume_copy(s3_server_module, first_half, "resume-plain", [], nproc=2)["facts"]
+    resumed = resume_copy(s3_server_module, first_half, "resume-plain", [], nproc=2, logs=tmp_path / "logs")["facts"]
     assert resumed["model_digest"] == reference["facts"]["model_digest"]
     assert resumed["data_digest"] == reference["facts"]["data_digest"]
 
@@ -103,9 +104,9 @@ def test_resume_from_s3_with_gradient_accumulation_is_bitwise_identical(s3_serve
 
 
 def test_resume_from_s3_on_three_ranks_keeps_data_exact_and_weights_close(
-    reference: dict, first_half: str, s3_server_module: S3Endpoint
+    reference: dict, first_half: str, s3_server_module: S3Endpoint, tmp_path: Path
 ) -> None:
-    resumed = resume_copy(s3_server_module, first_half, "to-3", [], nproc=3)
+    resumed = resume_copy(s3_server_module, first_half, "to-3", [], nproc=3, logs=tmp_path / "logs")
     facts = resumed["facts"]
     assert facts["world_size"] == 3
     assert facts["data_digest"] == reference["facts"]["data_digest"]
@@ -115,11 +116,14 @@ def test_resume_from_s3_on_three_ranks_keeps_data_exact_and_weights_close(
         assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
 
 
-def test_a_bucket_that_does_not_exist_fails_before_the_first_step_naming_the_uri(s3_server_module: S3Endpoint) -> None:
+def test_a_bucket_that_does_not_exist_fails_before_the_first_step_naming_the_uri(
+    s3_server_module: S3Endpoint, tmp_path: Path
+) -> None:
     from tests.jobs import train
 
     uri = "s3://no-such-bucket-elastic-ddp/run"
-    result = train(["--max-steps", "5", "--checkpoint-dir", uri], timeout=60)
+    result = train(["--max-steps", "5", "--checkpoint-dir", uri, "--log-dir", str(tmp_path)], timeout=60)
     assert result.returncode != 0
     assert f"checkpoint location {uri} is not usable" in result.output
-    assert "starting fresh" not in result.output and "loss " not in result.output
+    assert [e["event"] for e in events(tmp_path)] == ["process_group_formed", "exit"]  # no start, no step
+    assert f"checkpoint location {uri} is not usable" in events(tmp_path, "exit")[0]["error"]

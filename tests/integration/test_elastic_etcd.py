@@ -25,8 +25,6 @@ from tests.fixtures.etcd_jobs import (
     AGENT_INFO,
     ETCD_CONF,
     RDZV_CONF,
-    done_fields,
-    done_line,
     job_args,
     last_step,
     make_job,
@@ -36,7 +34,7 @@ from tests.fixtures.etcd_jobs import (
     steps_after,
 )
 from tests.fixtures.etcd_proc import EtcdCluster, EtcdServer
-from tests.jobs import inspect, train_ok
+from tests.jobs import done_event, inspect, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +60,11 @@ def test_two_etcd_v3_nodes_train_the_same_weights_as_c10d(etcd_server: EtcdServe
         with make_job(workdir, job_args(workdir, 60), backend=backend, endpoint=endpoint, nnodes="2") as job:
             job.start(2)
             finish(job.nodes)
-            done = done_line(job.nodes)
+        done = done_event(workdir / "logs")
         assert step_records(workdir)[-1]["world_size"] == 4
         digests[backend] = (done["step"], done["model_digest"], inspect(str(workdir / "ckpt"))["model_digest"])
     assert digests["etcd-v3"] == digests["c10d"]
-    assert digests["etcd-v3"][0] == "60"
+    assert digests["etcd-v3"][0] == 60
 
 
 ELASTIC_STEPS = 1000
@@ -75,10 +73,16 @@ JOIN_SLACK_S = 10
 interval) and to stop their workers (which save an emergency checkpoint on SIGTERM)."""
 
 
+def reference_run(steps: int, logs: Path) -> dict:
+    """An uninterrupted run of ``steps`` in one process (data_digest is world-size independent): its done event."""
+    train_ok(["--max-steps", str(steps), "--log-progress", "off", "--log-dir", str(logs)])
+    return done_event(logs)
+
+
 @pytest.fixture(scope="module")
-def elastic_reference() -> dict:
-    """The uninterrupted run of ELASTIC_STEPS (one process; data_digest is world-size independent)."""
-    return done_fields(train_ok(["--max-steps", str(ELASTIC_STEPS), "--log-progress", "off"]).output)
+def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run of ELASTIC_STEPS."""
+    return reference_run(ELASTIC_STEPS, tmp_path_factory.mktemp("elastic-reference"))
 
 
 def world_after(workdir: Path, wall_time: float, size: int) -> bool:
@@ -121,9 +125,9 @@ FAULT_STEPS = 4500
 
 
 @pytest.fixture(scope="module")
-def fault_reference() -> dict:
-    """The uninterrupted run of FAULT_STEPS, in one process."""
-    return done_fields(train_ok(["--max-steps", str(FAULT_STEPS), "--log-progress", "off"]).output)
+def fault_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run of FAULT_STEPS."""
+    return reference_run(FAULT_STEPS, tmp_path_factory.mktemp("fault-reference"))
 
 
 def one_node_then_another(workdir: Path, endpoint: str, fault: Callable[[], None], reference: dict) -> list[Node]:
@@ -223,7 +227,7 @@ def test_training_runs_under_torchs_legacy_etcd_backend(etcd_server_v2: EtcdServ
     with job:
         job.start(2)
         finish(job.nodes)
-        done = done_line(job.nodes)
-    reference = done_fields(train_ok(["--max-steps", str(LEGACY_STEPS), "--log-progress", "off"]).output)
+    done = done_event(tmp_path / "logs")
+    reference = reference_run(LEGACY_STEPS, tmp_path / "reference-logs")
     assert step_records(tmp_path)[-1]["world_size"] == 2
-    assert (done["step"], done["data_digest"]) == (str(LEGACY_STEPS), reference["data_digest"])
+    assert (done["step"], done["data_digest"]) == (LEGACY_STEPS, reference["data_digest"])

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from chaos.cluster import JobSpec, LocalCluster, wait_for
+from chaos.cluster import JobSpec, LocalCluster, Node, wait_for
 from chaos.faults import SpotServer
-from tests.jobs import BASE_ARGS, TRAIN, inspect, train_ok
+from tests.jobs import BASE_ARGS, TRAIN, events, inspect, resumed_steps, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,16 @@ def step_records(workdir: Path) -> list[dict]:
     path = workdir / "logs" / "metrics.jsonl"
     if not path.exists():
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r and "event" not in r]
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def node_events(workdir: Path, node: Node, kind: str = "") -> list[dict]:
+    """The events of the ranks that ran on ``node`` (their torchrun agent is the node's)."""
+    return [event for event in events(workdir / "logs", kind) if event.get("agent_pid") == node.pid]
+
+
+def exits(workdir: Path, node: Node) -> list[tuple[str, int]]:
+    return [(event["reason"], event["status"]) for event in node_events(workdir, node, "exit")]
 
 
 def logged_steps(workdir: Path) -> list[int]:
@@ -74,10 +83,26 @@ def check_no_step_redone_and_same_data(workdir: Path, reference: dict) -> None:
     assert final["data_digest"] == reference["data_digest"]
 
 
-def agreed_stop_step(output: str) -> int:
-    match = re.search(r"stop agreed at step (\d+)", output)
-    assert match, output[-3000:]
-    return int(match.group(1))
+def agreed_stop_step(workdir: Path) -> int:
+    """The step at which every rank agreed to stop (there must be one, the same on every rank)."""
+    steps = {event["step"] for event in events(workdir / "logs", "stop_agreed")}
+    assert len(steps) == 1, steps
+    return steps.pop()
+
+
+def check_stop_saved_and_resumed(workdir: Path, survivor: Node, leaving: Node, source: str) -> int:
+    """The leaving node's ranks were asked and stopped as preempted, the survivor's as peer-lost, at one step,
+    whose checkpoint was committed, and from which the survivor resumed; returns that step."""
+    stop = agreed_stop_step(workdir)
+    assert {event["reason"] for event in node_events(workdir, leaving, "stop_requested")} == {source}
+    agreed_here = {(event["reason"], event["source"]) for event in node_events(workdir, leaving, "stop_agreed")}
+    assert agreed_here == {("preempted", source)}
+    assert {event["reason"] for event in node_events(workdir, survivor, "stop_agreed")} == {"peer-lost"}
+    assert stop in [event["step"] for event in events(workdir / "logs", "committed")]  # the emergency checkpoint
+    assert exits(workdir, leaving) == [("preempted", 0)] * 2
+    assert exits(workdir, survivor).count(("peer-lost", 75)) == 2
+    assert {event["step"] for event in node_events(workdir, survivor, "resumed")} == {stop}  # exactly the agreed step
+    return stop
 
 
 def test_preempted_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
@@ -87,13 +112,7 @@ def test_preempted_node_loses_no_work(tmp_path: Path, reference: dict) -> None:
         leaving.signal_agent(signal.SIGTERM)
         leaving.wait(timeout=60)
         assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
-        out = survivor.output()
-    stop = agreed_stop_step(out)
-    assert stop >= at_signal
-    assert f"emergency checkpoint of step {stop} committed" in out
-    assert "exit: reason=peer-lost status=75" in out
-    assert "exit: reason=preempted status=0" in leaving.output()
-    assert f"step-{stop:08d}: step {stop}," in out  # resumed from exactly the agreed step
+    assert check_stop_saved_and_resumed(tmp_path, survivor, leaving, "signal:SIGTERM") >= at_signal
     check_no_step_redone_and_same_data(tmp_path, reference)
 
 
@@ -109,14 +128,10 @@ def test_spot_notice_on_one_node_loses_no_work(tmp_path: Path, reference: dict) 
             spot.notify("leaving")
             leaving.wait(timeout=60)
             assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
-            out = survivor.output()
     finally:
         spot.close()
-    stop = agreed_stop_step(out)
-    assert stop >= at_notice
-    assert "spot interruption notice" in leaving.output()
-    assert "exit: reason=preempted status=0 (spot-notice)" in leaving.output()
-    assert f"step-{stop:08d}: step {stop}," in out
+    assert check_stop_saved_and_resumed(tmp_path, survivor, leaving, "spot-notice") >= at_notice
+    assert {event["detail"] for event in node_events(tmp_path, leaving, "exit")} == {"spot-notice"}
     check_no_step_redone_and_same_data(tmp_path, reference)
 
 
@@ -134,10 +149,12 @@ def test_stopped_worker_becomes_a_restart_with_stacks_in_the_log(tmp_path: Path,
         os.kill(victim, signal.SIGSTOP)
         assert node.wait(timeout=180) == 0, node.output()[-4000:]
         out = node.output()
-    assert re.search(r"watchdog: no progress in phase '(collective|step|data)'", out)
-    assert "Current thread" in out or "Thread 0x" in out  # faulthandler's stack dump
-    assert re.search(r"exit: reason=hang:\w+ status=76", out)
-    assert "resumed from" in out
+    fired = events(tmp_path / "logs", "watchdog_fired")
+    assert fired and {event["phase"] for event in fired} <= {"collective", "step", "data"}
+    assert "Current thread" in out or "Thread 0x" in out  # faulthandler's stack dump, for whoever reads the log
+    assert {(event["reason"], event["status"]) for event in events(tmp_path / "logs", "exit")} >= {
+        (fired[0]["reason"], 76), ("done", 0)}
+    assert events(tmp_path / "logs", "resumed")
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
@@ -153,11 +170,11 @@ def test_stopped_node_is_left_behind_after_the_heartbeat_timeout(tmp_path: Path,
         survivor, frozen = cluster.start(2).nodes
         wait_for_step(tmp_path, 60, world_size=4)
         frozen.signal_node(signal.SIGSTOP)
-        wait_for(lambda: re.search(r"resumed from .*now 2", survivor.output()), 120, "the survivor to re-form alone")
+        wait_for(lambda: [e for e in node_events(tmp_path, survivor, "resumed") if e["world_size"] == 2], 120,
+                 "the survivor to re-form alone")
         frozen.signal_node(signal.SIGKILL)
         assert survivor.wait(timeout=180) == 0, survivor.output()[-4000:]
-        out = survivor.output()
-    assert re.search(r"exit: reason=hang:\w+ status=76", out)
+    assert any(reason.startswith("hang:") and status == 76 for reason, status in exits(tmp_path, survivor))
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
@@ -167,10 +184,12 @@ def test_crash_in_one_rank_restarts_and_the_summary_names_it(tmp_path: Path, ref
         node = cluster.start(1).nodes[0]
         assert node.wait(timeout=240) == 0, node.output()[-4000:]
         out = node.output()
-    assert "injected crash on rank 1" in out
-    # the agent names the failed worker before restarting the group
+    crashed = [event for event in events(tmp_path / "logs", "exit") if event["rank"] == 1 and event["reason"] == "error"]
+    assert [event["status"] for event in crashed] == [1]
+    assert crashed[0]["error"].startswith("InjectedCrash: injected crash on rank 1")
+    # the agent names the failed worker before restarting the group (torchrun's own line)
     assert re.search(r"failed \(exitcode: 1\) local_rank: 1 \(pid: \d+\)", out), out[-4000:]
-    assert "resumed from" in out and "step 50," in out
+    assert resumed_steps(tmp_path / "logs") == {0: 50, 1: 50}
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
@@ -180,10 +199,10 @@ def test_divergence_is_detected_naming_the_rank(tmp_path: Path) -> None:
     with make_cluster(tmp_path, "1", args, env={"ELASTIC_DDP_FAULT": "corrupt:1:65"}) as cluster:
         node = cluster.start(1).nodes[0]
         assert node.wait(timeout=240) == 0, node.output()[-4000:]
-        out = node.output()
-    assert "step 70: parameters of rank(s) 1 differ from the other ranks'" in out
-    assert "exit: reason=divergence status=77" in out
-    assert "resumed from" in out and "step 50," in out
+    diverged = [event for event in events(tmp_path / "logs", "exit") if event["reason"] == "divergence"]
+    assert {(event["rank"], event["status"], event["step"]) for event in diverged} == {(0, 77, 70), (1, 77, 70)}
+    assert all("step 70: parameters of rank(s) 1 differ from the other ranks'" in event["error"] for event in diverged)
+    assert resumed_steps(tmp_path / "logs") == {0: 50, 1: 50}
 
 
 def test_the_survivor_of_a_crashed_peer_explains_itself_in_one_line_without_a_traceback() -> None:

@@ -10,7 +10,6 @@ torch's default shared agent store is measured, not tested, in ``benchmarks/rend
 from __future__ import annotations
 
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -19,23 +18,19 @@ from chaos.cluster import wait_for
 from tests.fixtures.etcd_jobs import (
     FRESH_STORE_ENV,
     Restart,
-    done_line,
     committed_step,
-    done_fields,
     job_args,
     kill_worker,
     make_job,
     wait_for_restart,
 )
 from tests.fixtures.etcd_proc import EtcdServer
-from tests.jobs import train_ok
+from tests.jobs import done_event, events, train_ok
 
 pytestmark = pytest.mark.integration
 
 NODES = 2
 RESTART_TIMEOUT_S = 120
-_PG_FORMED = re.compile(r"process group formed: rank 0/\d+ .* store=(\S+)")
-_RESUMED = re.compile(r"elastic_ddp.trainer: resumed from \S+: step (\d+),")
 
 
 def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: int, seed: int,
@@ -59,59 +54,61 @@ def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: in
         for node in job.nodes:
             assert node.wait(timeout=300) == 0, node.output()[-4000:]
         output = "\n".join(node.output() for node in job.nodes)
-        done = done_line(job.nodes)
-    assert done["step"] == str(steps)
+    assert done_event(workdir / "logs")["step"] == steps
     return restarts, output
 
 
-def check_resumed_further_each_time(output: str, kills: int) -> None:
-    """Each restart resumed from a newer checkpoint than the one before."""
-    resumed = [int(step) for step in _RESUMED.findall(output)]
+def check_resumed_further_each_time(workdir: Path, kills: int) -> None:
+    """Each restart resumed from a newer checkpoint than the one before (rank 0's resumed events)."""
+    resumed = [event["step"] for event in events(workdir / "logs", "resumed") if event["rank"] == 0]
     assert len(resumed) == kills and resumed == sorted(set(resumed)), resumed
 
 
-def check_fresh_store_per_attempt(output: str, attempts: int) -> None:
-    """Every attempt's rank 0 formed its group on a different MASTER_PORT, and no worker warned
-    that it shares the agent's long-lived store."""
-    stores = _PG_FORMED.findall(output)
+def check_fresh_store_per_attempt(workdir: Path, attempts: int) -> None:
+    """Every attempt's rank 0 formed its group on a different MASTER_PORT, none of them in the agent's
+    long-lived store."""
+    formed = [event for event in events(workdir / "logs", "process_group_formed") if event["rank"] == 0]
+    stores = [event["store"] for event in formed]
     assert len(stores) >= attempts, stores
     assert len(set(stores)) == len(stores), "a MASTER_PORT was reused across attempts: %s" % stores
-    assert "share torchrun's long-lived agent store" not in output
+    assert not any(event["agent_store"] for event in formed)
 
 
 @pytest.fixture(scope="module")
-def reference_400() -> dict[str, str]:
+def reference_400(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """400 uninterrupted steps at the same world size (2), for a bitwise comparison."""
-    return done_fields(train_ok(["--max-steps", "400", "--log-progress", "off"], nproc=NODES).output)
+    logs = tmp_path_factory.mktemp("reference-400")
+    train_ok(["--max-steps", "400", "--log-progress", "off", "--log-dir", str(logs)], nproc=NODES)
+    return done_event(logs)
 
 
 def test_three_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weights(
-    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict[str, str]
+    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict
 ) -> None:
-    restarts, output = run_with_kills(etcd_server, tmp_path, kills=3, steps=400, seed=5)
+    restarts, _ = run_with_kills(etcd_server, tmp_path, kills=3, steps=400, seed=5)
     assert len(restarts) == 3
     assert [r.attempts for r in restarts] == [1] * 3, restarts  # every first restart formed its group
-    check_resumed_further_each_time(output, kills=3)
-    check_fresh_store_per_attempt(output, attempts=4)
-    assert done_fields(output)["model_digest"] == reference_400["model_digest"]
+    check_resumed_further_each_time(tmp_path, kills=3)
+    check_fresh_store_per_attempt(tmp_path, attempts=4)
+    assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
 
 
 def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal_weights(
-    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict[str, str]
+    etcd_server: EtcdServer, tmp_path: Path, reference_400: dict
 ) -> None:
     """``-m elastic_ddp.prefork``: the launcher is what torchrun starts and kill -9 hits, the
     training runs in the fork server's child; kills and restarts behave exactly as without it."""
     restarts, output = run_with_kills(etcd_server, tmp_path, kills=3, steps=400, seed=3, prefork=True)
     assert [r.attempts for r in restarts] == [1] * 3, restarts
     assert "elastic_ddp.prefork" not in output  # the launcher logs only when it had to run a worker itself
-    check_resumed_further_each_time(output, kills=3)
-    assert done_fields(output)["model_digest"] == reference_400["model_digest"]
+    check_resumed_further_each_time(tmp_path, kills=3)
+    assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
 
 
 @pytest.mark.slow
 def test_thirty_worker_kills_in_a_row_all_restart_and_finish(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    restarts, output = run_with_kills(etcd_server, tmp_path, kills=30, steps=2000, seed=30)
+    restarts, _ = run_with_kills(etcd_server, tmp_path, kills=30, steps=2000, seed=30)
     assert len(restarts) == 30
     assert [r.attempts for r in restarts] == [1] * 30, restarts
-    check_resumed_further_each_time(output, kills=30)
-    check_fresh_store_per_attempt(output, attempts=31)
+    check_resumed_further_each_time(tmp_path, kills=30)
+    check_fresh_store_per_attempt(tmp_path, attempts=31)

@@ -11,9 +11,11 @@ import torch
 from tests.jobs import (
     WORLD_CHANGE_ATOL,
     WORLD_CHANGE_RTOL,
+    events,
     inspect,
     load_model_state,
     metrics,
+    resumed_steps,
     train,
     train_ok,
 )
@@ -44,8 +46,10 @@ def split_run_first_half(workdir: Path) -> Path:
 
 def _resume_copy(first_half: Path, target: Path, extra: list[str], nproc: int) -> dict:
     shutil.copytree(first_half, target)
-    result = train_ok(["--max-steps", "40", "--checkpoint-dir", str(target), "--checkpoint-every", "10", *extra], nproc=nproc)
-    assert "resumed from" in result.output and "step 20" in result.output
+    logs = target.with_name(target.name + "-logs")
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(target), "--checkpoint-every", "10", "--log-dir", str(logs),
+              *extra], nproc=nproc)
+    assert resumed_steps(logs) == dict.fromkeys(range(nproc), 20)
     return inspect(str(target))
 
 
@@ -69,8 +73,9 @@ def test_resume_from_a_checkpoint_committed_in_the_background_is_bitwise_identic
     train_ok(["--max-steps", "25", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--no-checkpoint-save-final"],
              nproc=2)
     assert inspect(str(ckpt))["step"] == 20
-    result = train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"], nproc=2)
-    assert "resumed from" in result.output and "step 20" in result.output
+    logs = workdir / "async-only-logs"
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs)], nproc=2)
+    assert resumed_steps(logs) == {0: 20, 1: 20}
     facts = inspect(str(ckpt))
     assert facts["model_digest"] == reference["facts"]["model_digest"]
     assert facts["data_digest"] == reference["facts"]["data_digest"]
@@ -129,12 +134,13 @@ def test_a_resume_that_moves_the_lr_horizon_says_so_naming_both_steps_and_the_fl
     common = ["--checkpoint-dir", ckpt, "--log-dir", logs, "--optim-decay-steps", "0"]
     train_ok(["--max-steps", "6", *common])
     resumed = train_ok(["--max-steps", "12", *common])
-    events = [m for m in metrics(logs) if m.get("event") == "lr_horizon_changed"]
-    assert events == [{"event": "lr_horizon_changed", "step": 6, "saved": 6, "now": 12}]
+    changed = events(logs, "lr_horizon_changed")
+    assert [(e["rank"], e["step"], e["saved"], e["now"]) for e in changed] == [(0, 6, 6, 12)]
     warning = [line for line in resumed.output.splitlines() if "learning-rate schedule changes" in line]
     assert len(warning) == 1 and "step 6" in warning[0] and "step 12" in warning[0] and "--optim-decay-steps 6" in warning[0]
     pinned = train_ok(["--max-steps", "14", *common[:4], "--optim-decay-steps", "12"])  # as step 12 recorded it
     assert "learning-rate schedule changes" not in pinned.output
+    assert len(events(logs, "lr_horizon_changed")) == 1
 
 
 def test_consistency_checks_and_background_saves_at_every_step_do_not_cross(tmp_path: Path) -> None:

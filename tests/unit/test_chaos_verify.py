@@ -1,7 +1,8 @@
-"""The chaos verifier over synthetic facts: log parsing, each check, recovery metrics and goodput."""
+"""The chaos verifier over synthetic facts: events and agent lines, each check, recovery metrics and goodput."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import replace
@@ -15,13 +16,14 @@ from chaos.scenario import parse_scenario
 from chaos.verify import (
     NOT_REACHED,
     CheckpointFacts,
-    LogEvent,
+    JobEvent,
     NodeOutcome,
     ReferenceFacts,
     RunFacts,
     StepRecord,
     WeightComparison,
     check_data,
+    check_events,
     check_faults_fired,
     check_final_checkpoint,
     check_loads,
@@ -29,10 +31,13 @@ from chaos.verify import (
     check_weights,
     fault_metrics,
     goodput,
-    parse_log,
+    job_events,
+    noticed,
+    parse_agent_log,
     parse_metrics,
     run_checks,
 )
+from elastic_ddp.events import parse_events
 
 T0 = 1_800_000_000.0
 ROOT = "/w/ckpt"
@@ -52,8 +57,8 @@ def steps(first: int, last: int, start: float, world: int = 2, dt: float = 0.1) 
     return [StepRecord(step, start + dt * (step - first + 1), world, dt) for step in range(first, last + 1)]
 
 
-def event(when: float, kind: str, **fields: object) -> LogEvent:
-    return LogEvent(T0 + when, fields.pop("node", "node0"), kind, **fields)  # type: ignore[arg-type]
+def event(when: float, kind: str, **fields: object) -> JobEvent:
+    return JobEvent(T0 + when, fields.pop("node", "node0"), kind, **fields)  # type: ignore[arg-type]
 
 
 def clean_facts() -> RunFacts:
@@ -61,12 +66,15 @@ def clean_facts() -> RunFacts:
     final = CheckpointFacts(f"{ROOT}/step-00000100", 100, 2, "m" * 64, digest(100))
     commits = [Commit(step, digest(step), 2, T0 + step * 0.1 + 0.05) for step in (20, 40, 60, 80, 100)]
     events = [
-        event(0.0, "fresh", rank=0, world_size=2),
-        event(4.05, "committed", rank=0, path=f"{ROOT}/step-00000040"),
+        event(-1.0, "process_group_formed", rank=0, world_size=2),
+        event(0.0, "started_fresh", rank=0, world_size=2, reason="no-checkpoint"),
+        event(4.05, "committed", rank=0, step=40, path=f"{ROOT}/step-00000040"),
         event(5.3, "agent-failure", node="node1"),
+        event(5.4, "exit", rank=0, reason="peer-lost"),
         event(6.0, "agent-rendezvous"),
-        event(8.0, "pg-formed", rank=0, world_size=2),
+        event(8.0, "process_group_formed", rank=0, world_size=2),
         event(9.0, "resumed", rank=0, step=40, path=f"{ROOT}/step-00000040", world_size=2),
+        event(9.0, "resumed", rank=1, step=40, path=f"{ROOT}/step-00000040", world_size=2, node="node1"),
         event(20.0, "done", rank=0, step=100),
     ]
     records = [*steps(1, 45, T0), *steps(41, 100, T0 + 9.0)]
@@ -78,36 +86,47 @@ def clean_facts() -> RunFacts:
 # -- parsing ----------------------------------------------------------------------------
 
 
-def test_runtime_and_agent_lines_become_events() -> None:
+def record(when: float, kind: str, rank: int = 0, agent_pid: int = 11, **fields: object) -> str:
+    """One line of an events file, as elastic_ddp.events writes it."""
+    return json.dumps({"time": T0 + when, "event": kind, "run_id": "t", "rank": rank, "host": "h", "pid": 100 + rank,
+                       "agent_pid": agent_pid, **fields})
+
+
+def test_event_records_become_job_events_on_the_node_of_their_agent() -> None:
+    lines = [
+        record(0.0, "process_group_formed", world_size=4, backend="gloo", store="127.0.0.1:1", agent_store=False,
+               restart_count=0),
+        record(1.0, "resumed", rank=2, agent_pid=12, step=60, path="s3://b/p/step-00000060", saved_world_size=4,
+               world_size=2, rank_state_reused=False),
+        record(2.0, "exit", rank=1, agent_pid=99, reason="peer-lost", status=75, detail="a peer left"),
+    ]
+    records, problems = parse_events(lines)
+    formed, resumed, exit_ = job_events(records, {11: "node0", 12: "node3"})
+    assert not problems
+    assert (formed.node, formed.kind, formed.world_size, formed.time) == ("node0", "process_group_formed", 4, T0)
+    assert (resumed.node, resumed.rank, resumed.step, resumed.path, resumed.world_size) == (
+        "node3", 2, 60, "s3://b/p/step-00000060", 2)
+    assert (exit_.node, exit_.reason, exit_.text) == ("agent 99", "peer-lost", "a peer left")
+
+
+def test_the_torchrun_agents_lines_become_events() -> None:
     log = "\n".join([
-        "2026-11-30 03:19:27,588 INFO [run/0 -] elastic_ddp.distributed: process group formed: rank 0/4 backend=gloo",
-        "2026-11-30 03:19:32,462 INFO [run/0 60] elastic_ddp.trainer: resumed from s3://b/p/step-00000060: step 60, "
-        "epoch 0, cursor 3840 (saved at world size 4, now 2)",
-        "2026-11-30 03:19:33,408 INFO [run/0 80] elastic_ddp.checkpoint.manager: committed checkpoint /c/step-00000080 "
-        "(3 files, 0.3 MB)",
-        "2026-11-30 03:19:34,000 ERROR [run/1 80] elastic_ddp.resilience.exits: exit: reason=peer-lost status=75",
         "E1130 03:19:35.250000 11719 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
         "local_rank: 0 (pid: 15406) of binary: python",
         "I1130 03:19:36.500000 11719 torch/distributed/elastic/agent/server/api.py:553] [default] Rendezvous complete "
         "for workers. Result:",
+        "2026-11-30 03:19:34,000 ERROR [run/1 80] elastic_ddp.resilience.exits: exit: reason=peer-lost status=75",
         "[rank0]: RuntimeError: Connection reset by peer",
-        "2026-11-30 03:19:37,000 ERROR [run/0 -] elastic_ddp.entry: no valid checkpoint under /c: bad",
     ])
-    events = parse_log(log, "node3", 2026)
-    assert [e.kind for e in events] == ["pg-formed", "resumed", "committed", "exit", "agent-failure",
-                                        "agent-rendezvous", "load-error"]
-    assert events[0].world_size == 4 and events[0].node == "node3"
-    resumed = events[1]
-    assert (resumed.path, resumed.step, resumed.world_size, resumed.rank) == ("s3://b/p/step-00000060", 60, 2, 0)
-    assert events[2].path == "/c/step-00000080"
-    base = time.mktime(time.strptime("2026-11-30 03:19:27", "%Y-%m-%d %H:%M:%S"))
-    assert events[0].time == pytest.approx(base + 0.588)
-    assert events[4].time == pytest.approx(base + 8.25)
+    events = parse_agent_log(log, "node3", 2026)
+    assert [e.kind for e in events] == ["agent-failure", "agent-rendezvous"]  # the runtime's own lines are not read
+    base = time.mktime(time.strptime("2026-11-30 03:19:35", "%Y-%m-%d %H:%M:%S"))
+    assert events[0].time == pytest.approx(base + 0.25) and events[0].node == "node3"
 
 
 def test_metrics_lines_without_a_loss_or_half_written_are_skipped() -> None:
     lines = ['{"step": 1, "loss": 2.0, "world_size": 2, "time": 5.0, "step_time_s": 0.1}',
-             '{"step": 1, "eval_accuracy": 0.5, "time": 5.1}', '{"event": "done", "loss": 1.0, "step": 1}', '{"step": 2, "lo']
+             '{"step": 1, "eval_accuracy": 0.5, "time": 5.1}', '[1, "loss"]', '{"loss": 1.0}', '{"step": 2, "lo']
     assert parse_metrics(lines) == [StepRecord(1, 5.0, 2, 0.1)]
 
 
@@ -116,9 +135,70 @@ def test_metrics_lines_without_a_loss_or_half_written_are_skipped() -> None:
 
 def test_a_clean_recovery_passes_every_check() -> None:
     checks = run_checks(clean_facts())
-    assert [c.name for c in checks] == ["job-finished", "faults-fired", "survivors-exit-0", "final-checkpoint",
-                                        "data-digest", "model-weights", "no-partial-load"]
+    assert [c.name for c in checks] == ["events-file", "job-finished", "faults-fired", "survivors-exit-0",
+                                        "final-checkpoint", "data-digest", "model-weights", "no-partial-load"]
     assert all(c.passed for c in checks), checks
+
+
+def test_a_run_whose_events_lack_the_resume_after_a_kill_fails() -> None:
+    """The run redid steps 41-45 after the kill, so an attempt resumed; without its event the check fails."""
+    facts = clean_facts()
+    assert check_loads(facts.events, facts.commits, facts.faults, facts.steps).passed  # with the resume: passes
+    events = [e for e in facts.events if e.kind != "resumed"]
+    check = check_loads(events, facts.commits, facts.faults, facts.steps)
+    assert not check.passed
+    assert "step 41 at world size 2 came after step 45" in check.message and "no resume" in check.message
+    failed = {c.name for c in run_checks(replace(facts, events=events)) if not c.passed}
+    assert failed == {"no-partial-load"}
+
+
+def test_an_attempt_that_formed_and_trained_without_a_resume_event_fails() -> None:
+    """Resumed exactly where it stopped (no step redone, same world size): the process group it formed shows
+    the new attempt."""
+    facts = clean_facts()
+    steps = [*facts.steps[:45], *[replace(s, step=s.step + 5) for s in facts.steps[45:] if s.step + 5 <= 100]]
+    events = [e for e in facts.events if e.kind != "resumed"]
+    check = check_loads(events, facts.commits, facts.faults, steps)
+    assert not check.passed and "formed its process group" in check.message and "step 46" in check.message
+
+
+def test_a_fault_after_which_workers_failed_needs_a_resume_even_without_steps() -> None:
+    facts = clean_facts()
+    events = [e for e in facts.events if e.kind not in ("resumed", "process_group_formed") or e.time < T0]
+    steps = [s for s in facts.steps if s.time < T0 + 5.0]
+    check = check_loads(events, facts.commits, facts.faults, steps)
+    assert not check.passed
+    assert "fault 0:kill-worker was followed by a new attempt (node0 rank 0: exit peer-lost)" in check.message
+
+
+def test_a_fault_that_landed_as_the_job_finished_needs_no_resume() -> None:
+    facts = clean_facts()
+    late = FaultRecord(1, "preempt-node", "1:preempt-node", fired_at=T0 + 19.9, target="node1")
+    events = [*facts.events, event(20.1, "exit", rank=1, reason="done", node="node1")]
+    assert check_loads(events, facts.commits, [*facts.faults, late], facts.steps).passed
+
+
+def test_a_fresh_start_after_a_commit_lost_the_work_and_fails() -> None:
+    facts = clean_facts()
+    events = [e if e.kind != "resumed" else replace(e, kind="started_fresh", step=None, reason="no-checkpoint")
+              for e in facts.events]
+    check = check_loads(events, facts.commits, facts.faults, facts.steps)
+    assert not check.passed and "rank 0 started fresh" in check.message and "had been committed before" in check.message
+
+
+def test_steps_without_any_event_fail_the_events_check_and_the_load_check() -> None:
+    facts = clean_facts()
+    assert not check_events([], [], facts.steps).passed
+    check = check_loads([], facts.commits, facts.faults, facts.steps)
+    assert not check.passed and "do not say how the job began" in check.message
+
+
+def test_invalid_event_lines_fail_the_events_check_naming_them() -> None:
+    facts = clean_facts()
+    _, problems = parse_events(["{}", "garbage", record(1.0, "exit", reason="done", status=0)])
+    check = check_events(problems, facts.events, facts.steps)
+    assert not check.passed and check.message.startswith("line 1: unknown event None; line 2: not JSON")
+    assert check_events([], facts.events, facts.steps).message == "8 events, every line valid"
 
 
 def test_a_diverging_data_digest_names_the_first_bad_step() -> None:
@@ -191,29 +271,29 @@ def test_a_resume_from_a_corrupted_checkpoint_is_a_partial_load() -> None:
     facts = clean_facts()
     corrupt = FaultRecord(1, "corrupt-checkpoint", "1:corrupt", fired_at=T0 + 6.0,
                           target=f"{ROOT}/step-00000040/replicated-x.eddp")
-    check = check_loads(facts.events, facts.commits, [*facts.faults, corrupt])
+    check = check_loads(facts.events, facts.commits, [*facts.faults, corrupt], facts.steps)
     assert not check.passed and "resume at step 40" in check.message and "corrupted" in check.message
 
 
 def test_a_resume_from_a_step_never_committed_is_a_partial_load() -> None:
     facts = clean_facts()
     events = [e for e in facts.events if e.kind != "committed"]
-    check = check_loads(events, [c for c in facts.commits if c.step != 40], facts.faults)
+    check = check_loads(events, [c for c in facts.commits if c.step != 40], facts.faults, facts.steps)
     assert not check.passed and "step-00000040 was never seen committed before it was loaded" in check.message
 
 
 def test_a_resume_after_an_uncommit_without_a_new_commit_is_a_partial_load() -> None:
     facts = clean_facts()
     events = [*facts.events, event(8.5, "uncommitted", rank=0, path=f"{ROOT}/step-00000040")]
-    check = check_loads(sorted(events, key=lambda e: e.time), [], facts.faults)
+    check = check_loads(sorted(events, key=lambda e: e.time), [], facts.faults, facts.steps)
     assert not check.passed and "un-committed" in check.message
 
 
-def test_a_load_error_line_fails_the_load_check() -> None:
+def test_a_failed_restore_fails_the_load_check() -> None:
     facts = clean_facts()
-    events = [*facts.events, event(8.7, "load-error", rank=1, text="step-00000040/rank-1.eddp: size 3 bytes")]
-    check = check_loads(events, facts.commits, facts.faults)
-    assert not check.passed and "node0 rank 1: load error" in check.message
+    events = [*facts.events, event(8.7, "restore_failed", rank=1, text="step-00000040/rank-1.eddp: size 3 bytes")]
+    check = check_loads(events, facts.commits, facts.faults, facts.steps)
+    assert not check.passed and "node0 rank 1: restore failed: step-00000040/rank-1.eddp" in check.message
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -241,8 +321,8 @@ def test_a_fault_the_job_never_noticed_has_no_recovery_figures_but_its_stall() -
 
 
 def test_a_normal_exit_is_not_a_detection() -> None:
-    log = "2026-11-30 03:19:34,000 INFO [run/1 80] elastic_ddp.resilience.exits: exit: reason=done status=0"
-    assert [e.kind for e in parse_log(log, "node0", 2026)] == ["exit-done"]
+    assert not noticed(event(1.0, "exit", rank=1, reason="done"))
+    assert noticed(event(1.0, "exit", rank=1, reason="peer-lost")) and noticed(event(1.0, "stop_requested"))
 
 
 def test_what_the_job_noticed_after_the_next_fault_is_not_this_faults() -> None:

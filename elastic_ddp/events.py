@@ -1,0 +1,208 @@
+"""The run's event stream: what happened, for programs (docs/design.md, "Events").
+
+Every rank appends one JSON object per line to ``<log_dir>/events.jsonl``: resumed, started
+fresh, a checkpoint skipped, committed or un-committed, a save that failed, a stop requested
+and agreed, the watchdog firing, the exit with its reason and status. The chaos verifier and
+the tests read these records; the human log lines say the same things in prose and are free to
+change.
+
+A record is ``{"time", "event", "run_id", "rank", "step"?, ...fields, "host", "pid",
+"agent_pid"?}``: ``time`` is the wall clock (``time.time()``), ``event`` one of :class:`Event`,
+``step`` the step it is about (absent where none is), ``agent_pid`` the torchrun agent's pid
+(under torchrun: it tells which node a rank ran on). Each kind's own fields are in
+:data:`FIELDS`; :func:`emit <EventLog.emit>` refuses a kind outside the set or a missing
+field, and :func:`read_events` reports any line that is not a valid record instead of failing.
+
+Writing: the file is opened ``O_APPEND`` and each record is one ``os.write`` of a whole line,
+so a process that crashes keeps every event before the crash (no buffer to lose), and several
+processes may append to the same file: on a local Linux file system the kernel appends each
+``write`` whole, so lines of different ranks and nodes never interleave. Network file systems
+(NFS) do not promise that: give each node its own ``--log-dir`` there. Without a log directory
+an :class:`EventLog` writes nothing (as ``metrics.jsonl`` is not written).
+
+No heavy imports: the checkpoint and resilience packages use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from elastic_ddp.prefork import agent_pid
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+"""The events file's name under the log directory."""
+
+MAX_TEXT = 2000
+"""String fields (error messages) are cut to this many characters, so a line stays small."""
+
+
+class Event(str, enum.Enum):
+    """Every kind of event. A name that is not a member is an error, not a new kind."""
+
+    PROCESS_GROUP_FORMED = "process_group_formed"
+    STARTED_FRESH = "started_fresh"
+    RESUMED = "resumed"
+    RESTORE_FAILED = "restore_failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    COMMITTED = "committed"
+    UNCOMMITTED = "uncommitted"
+    SAVE_FAILED = "save_failed"
+    STOP_REQUESTED = "stop_requested"
+    STOP_AGREED = "stop_agreed"
+    WATCHDOG_FIRED = "watchdog_fired"
+    LR_HORIZON_CHANGED = "lr_horizon_changed"
+    DONE = "done"
+    EXIT = "exit"
+
+
+FIELDS: Mapping[Event, tuple[str, ...]] = {
+    Event.PROCESS_GROUP_FORMED: ("world_size", "backend", "store", "agent_store", "restart_count"),
+    Event.STARTED_FRESH: ("world_size", "reason"),
+    Event.RESUMED: ("step", "path", "saved_world_size", "world_size", "rank_state_reused"),
+    Event.RESTORE_FAILED: ("error",),
+    Event.CHECKPOINT_SKIPPED: ("step", "path", "reason"),
+    Event.COMMITTED: ("step", "path", "world_size", "files", "bytes"),
+    Event.UNCOMMITTED: ("step", "path", "reason"),
+    Event.SAVE_FAILED: ("step", "error"),
+    Event.STOP_REQUESTED: ("reason",),
+    Event.STOP_AGREED: ("step", "reason", "source"),
+    Event.WATCHDOG_FIRED: ("phase", "reason", "stuck_s", "limit_s"),
+    Event.LR_HORIZON_CHANGED: ("step", "saved", "now"),
+    Event.DONE: ("step", "epoch", "model_digest", "data_digest"),
+    Event.EXIT: ("reason", "status"),
+}
+"""The fields each kind always carries, besides the common ones (docs/design.md, "Events", says what each means)."""
+
+COMMON = ("time", "event", "run_id", "rank", "host", "pid")
+"""The fields of every record."""
+
+
+class EventLog:
+    """One process's writer of the run's events file; a no-op without a log directory.
+
+    ``emit`` is safe from any thread (one ``os.write`` per record). A failure to write is logged
+    once and training goes on: the events describe the run, they are not needed to run it (and
+    a reader that misses an event it expects fails its check).
+    """
+
+    def __init__(self, log_dir: str, *, run_id: str, rank: int) -> None:
+        self.path = os.path.join(log_dir, EVENTS_FILE) if log_dir else ""
+        self.run_id = run_id
+        self.rank = rank
+        self.step: int | None = None
+        """The step most recent records are about (set by the training loop); ``emit(step=...)`` overrides it."""
+        self._fd: int | None = None
+        self._failed = False
+        self._identity: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            self._identity["agent_pid"] = agent_pid()
+        if self.path:
+            os.makedirs(log_dir, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    @classmethod
+    def off(cls) -> EventLog:
+        """An event log that writes nothing (for a component given none)."""
+        return cls("", run_id="", rank=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def set_step(self, step: int | None) -> None:
+        self.step = step
+
+    def emit(self, kind: Event | str, **fields: Any) -> None:
+        """Append one event; ``kind`` must be an :class:`Event` and ``fields`` hold at least its :data:`FIELDS`.
+
+        ``step`` defaults to :attr:`step` when that is set and the kind has no step of its own.
+        ValueError for an unknown kind or a missing field (a bug in the caller)."""
+        event = Event(kind)
+        missing = [name for name in FIELDS[event] if name not in fields]
+        if missing:
+            raise ValueError(f"event {event.value!r} needs {', '.join(missing)}")
+        if self._fd is None:
+            return
+        record: dict[str, Any] = {"time": time.time(), "event": event.value, "run_id": self.run_id, "rank": self.rank}
+        if "step" not in fields and self.step is not None:
+            record["step"] = self.step
+        record.update((name, _bounded(value)) for name, value in fields.items())
+        record.update(self._identity)
+        self._write((json.dumps(record, default=str) + "\n").encode())
+
+    def _write(self, line: bytes) -> None:
+        assert self._fd is not None
+        try:
+            while line:  # one write in practice; the loop only matters for a short write (a full disk)
+                line = line[os.write(self._fd, line):]
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                logger.warning("cannot append to the events file %s: %s; further events of this process are lost",
+                               self.path, exc)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _bounded(value: Any) -> Any:
+    return value[:MAX_TEXT] if isinstance(value, str) else value
+
+
+def check_record(record: Any) -> str | None:
+    """Why ``record`` (a parsed line) is not a valid event, or None when it is."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    try:
+        event = Event(record.get("event"))
+    except ValueError:
+        return f"unknown event {record.get('event')!r}"
+    missing = [name for name in (*COMMON, *FIELDS[event]) if name not in record]
+    if missing:
+        return f"{event.value} without {', '.join(missing)}"
+    if not isinstance(record["time"], (int, float)) or isinstance(record["time"], bool):
+        return f"time {record['time']!r} is not a number"
+    for name in ("rank", "step"):
+        if name in record and (not isinstance(record[name], int) or isinstance(record[name], bool)):
+            return f"{name} {record[name]!r} is not an integer"
+    return None
+
+
+def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The valid records among ``lines``, and one problem per line that is not one (line numbers from 1)."""
+    records, problems = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            problems.append(f"line {number}: not JSON ({exc}): {line[:120]!r}")
+            continue
+        problem = check_record(record)
+        if problem:
+            problems.append(f"line {number}: {problem}")
+        else:
+            records.append(record)
+    return records, problems
+
+
+def read_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of ``<log_dir>/events.jsonl`` (see :func:`parse_events`); a missing file is one problem."""
+    path = os.path.join(log_dir, EVENTS_FILE)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return parse_events(handle)
+    except FileNotFoundError:
+        return [], [f"{path}: no such file"]
