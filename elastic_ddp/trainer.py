@@ -455,8 +455,9 @@ class Trainer:
                     outputs = self.ddp(inputs)
                     losses = self.loss_fn(outputs, targets)
                 if isinstance(losses, WeightedLoss):
-                    numel = torch.as_tensor(losses.weight, dtype=torch.float64, device=self.device)
-                    units = numel if units is None else units + numel
+                    weight_units = torch.as_tensor(losses.weight, dtype=torch.float64, device=self.device)
+                    units = weight_units if units is None else units + weight_units
+                    numel: torch.Tensor | int = weight_units
                     # an empty share's mean may be NaN: its zero must still reach every parameter the forward used
                     total = losses.mean * losses.weight if micro_batches else _zero_like_outputs(outputs)
                     loss = total * self.context.world_size

@@ -23,6 +23,7 @@ checkpoints that failed verification are un-committed (their manifest is set asi
 
 from __future__ import annotations
 
+import builtins
 import logging
 import secrets
 import threading
@@ -275,6 +276,8 @@ class CheckpointManager:
 
     def _write_and_commit(self, staged: Staged) -> Manifest:
         directory = self.storage.join(step_dir_name(staged.step))
+        records: dict[str, FileRecord]
+        error: str | None
         if staged.failure is not None:
             records, error = {}, f"rank {self.rank} could not stage its state: {staged.failure}"
         else:
@@ -295,8 +298,8 @@ class CheckpointManager:
         self._broadcast_from_main(outcome)
         manifest, failure, conflict = outcome
         if failure is not None:
-            error = CheckpointConflictError if conflict else CheckpointError
-            raise error(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}") from cause
+            error_class: type[CheckpointError] = CheckpointConflictError if conflict else CheckpointError
+            raise error_class(f"checkpoint of step {staged.step} under {self.uri} was not committed: {failure}") from cause
         return manifest
 
     def _write_own_files(self, staged: Staged, directory: str) -> tuple[dict[str, FileRecord], str | None]:
@@ -368,7 +371,7 @@ class CheckpointManager:
 
     # -- discovery ---------------------------------------------------------------
 
-    def list(self) -> list[CheckpointInfo]:
+    def list(self) -> builtins.list[CheckpointInfo]:
         """Every step directory, newest first, with its manifest when one parses."""
         found = []
         for name in self.storage.list_dir(self.storage.root):
@@ -390,13 +393,13 @@ class CheckpointManager:
             return CheckpointInfo(step, path, None, f"manifest says step {manifest.step}, directory says {step}")
         return CheckpointInfo(step, path, manifest)
 
-    def verify(self, info: CheckpointInfo) -> dict[str, bytes]:
+    def verify(self, info: CheckpointInfo) -> dict[str, bytes | memoryview]:
         """Read every file of a committed checkpoint and check its size and checksum; return the bytes."""
         if info.manifest is None:
             raise CheckpointCorruptError(f"{info.path}: {info.problem}")
         return {name: self.read_verified(info, name) for name in info.manifest.files}
 
-    def read_verified(self, info: CheckpointInfo, name: str) -> bytes:
+    def read_verified(self, info: CheckpointInfo, name: str) -> bytes | memoryview:
         assert info.manifest is not None
         record = info.manifest.files.get(name)
         path = self.storage.join(step_dir_name(info.step), name)
@@ -431,7 +434,7 @@ class CheckpointManager:
         return restored
 
     def _restore(self, state: CheckpointState, allow_fresh_start: bool) -> Restored | None:
-        choice: list[Any] = [None, None]
+        choice: builtins.list[Any] = [None, None]
         preloaded: dict[str, Any] = {}
         if self.rank == 0:
             choice, preloaded = self._choose_on_main(allow_fresh_start)
@@ -468,13 +471,13 @@ class CheckpointManager:
             ) from exc
         return Restored(step=step, path=info.path, world_size=manifest.world_size, rank_state_reused=reuse_rank_state)
 
-    def _choose_on_main(self, allow_fresh_start: bool) -> tuple[list[Any], dict[str, Any]]:
+    def _choose_on_main(self, allow_fresh_start: bool) -> tuple[builtins.list[Any], dict[str, Any]]:
         """Rank 0: the newest checkpoint that verifies, and its own files already decoded (read once).
 
         Checkpoints newer than the chosen one that do not verify are un-committed, and so are all of
         them when none verifies and a fresh start is allowed: a fresh run commits steps 1, 2, ...
         again, and committed but damaged higher steps would make retention delete each new commit."""
-        rejected: list[tuple[CheckpointInfo, str]] = []
+        rejected: builtins.list[tuple[CheckpointInfo, str]] = []
         for info in self.list():
             if not info.manifest_present:
                 continue  # an unfinished write: never a candidate, not a defect
@@ -501,7 +504,7 @@ class CheckpointManager:
     def refuse_if_committed(self) -> None:
         """Raise on every rank when the root already holds a committed checkpoint (for a run told not to
         resume: its own commits would collide with those steps, and retention would count them)."""
-        newest: list[Any] = [None]
+        newest: builtins.list[Any] = [None]
         if self.rank == 0:
             newest[0] = next((info.step for info in self.list() if info.committed), None)
         self._broadcast_from_main(newest)
@@ -525,14 +528,14 @@ class CheckpointManager:
 
     # -- retention ---------------------------------------------------------------
 
-    def retention_plan(self, keep: int | None = None, now: float | None = None) -> list[str]:
+    def retention_plan(self, keep: int | None = None, now: float | None = None) -> builtins.list[str]:
         """Paths retention would remove: committed checkpoints beyond the newest ``keep`` (default: the
         manager's) that verify, and unfinished writes older than the newest commit and idle for
         LEFTOVER_GRACE_S. Only checkpoints that verify are counted (each is read back once per
         manager, unless this manager committed it): a damaged checkpoint never pushes out a good one."""
         return self._retention_scan(keep, now)[0]
 
-    def apply_retention(self, keep: int | None = None, now: float | None = None) -> list[str]:
+    def apply_retention(self, keep: int | None = None, now: float | None = None) -> builtins.list[str]:
         """Un-commit the damaged checkpoints among the newest, and remove what :meth:`retention_plan`
         lists; returns the removed paths."""
         doomed, damaged = self._retention_scan(keep, now)
@@ -545,15 +548,15 @@ class CheckpointManager:
 
     def _retention_scan(
         self, keep: int | None, now: float | None
-    ) -> tuple[list[str], list[tuple[CheckpointInfo, str]]]:
+    ) -> tuple[builtins.list[str], builtins.list[tuple[CheckpointInfo, str]]]:
         """(paths to remove, damaged checkpoints met while counting the newest ``keep`` that verify).
         A checkpoint that cannot be read now (storage trouble) is neither counted nor removed."""
         keep = self.keep if keep is None else keep
         now = time.time() if now is None else now
         infos = self.list()
         committed = [info for info in infos if info.committed]
-        doomed: list[str] = []
-        damaged: list[tuple[CheckpointInfo, str]] = []
+        doomed: builtins.list[str] = []
+        damaged: builtins.list[tuple[CheckpointInfo, str]] = []
         counted = 0
         for info in committed:
             if counted >= keep:
@@ -606,14 +609,14 @@ class CheckpointManager:
 
     # -- collectives -------------------------------------------------------------
 
-    def _gather_to_main(self, item: Any) -> list[Any]:
+    def _gather_to_main(self, item: Any) -> builtins.list[Any]:
         if self.world_size == 1 or not dist.is_initialized():
             return [item]
-        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        gathered: builtins.list[Any] = [None] * self.world_size if self.rank == 0 else []
         dist.gather_object(item, gathered if self.rank == 0 else None, dst=0, group=self.group)
         return gathered
 
-    def _broadcast_from_main(self, items: list[Any]) -> None:
+    def _broadcast_from_main(self, items: builtins.list[Any]) -> None:
         if self.world_size > 1 and dist.is_initialized():
             dist.broadcast_object_list(items, src=0, group=self.group)
 
@@ -623,6 +626,6 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, ElasticDDPError) else f"{type(exc).__name__}: {exc}"
 
 
-def deserialize(data: bytes, where: str) -> Any:
+def deserialize(data: bytes | bytearray | memoryview, where: str) -> Any:
     """Load a checkpoint file: tensors and plain containers only, no pickle (see format.py)."""
     return decode(data, where)

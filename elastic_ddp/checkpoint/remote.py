@@ -201,7 +201,7 @@ class FsspecStorage:
         """Abort an unfinished multipart upload so that none of its parts is ever committed."""
         try:
             self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-        except Exception as exc:  # the original error matters more; an unfinished upload is invisible to readers
+        except Exception as exc:  # noqa: BLE001 - the original error matters more; an unfinished upload is invisible to readers
             logger.warning(
                 "could not abort the upload of %s (%s); a bucket lifecycle rule for incomplete multipart uploads "
                 "removes its parts", path, type(exc).__name__,
