@@ -10,7 +10,7 @@ A record is ``{"time", "event", "run_id", "rank", "step"?, ...fields, "host", "p
 "agent_pid"?}``: ``time`` is the wall clock (``time.time()``), ``event`` one of :class:`Event`,
 ``step`` the step it is about (absent where none is), ``agent_pid`` the torchrun agent's pid
 (under torchrun: it tells which node a rank ran on). Each kind's own fields are in
-:data:`FIELDS`; :func:`emit <EventLog.emit>` refuses a kind outside the set or a missing
+:data:`FIELDS`; :meth:`EventLog.emit` refuses a kind outside the set or a missing
 field, and :func:`read_events` reports any line that is not a valid record instead of failing.
 
 Writing: the file is opened ``O_APPEND`` and each record is one ``os.write`` of a whole line,
