@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,9 +121,22 @@ def cpu_group(world_size: int, timeout_s: float, own: bool) -> dist.ProcessGroup
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
+STORE_PROBE_INTERVAL_S = 0.005
+"""How often a rank polls for rank 0's store to listen before it connects (see :func:`_open_store`)."""
+
+
 def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The workers' store, connected within ``timeout``.
+
+    Rank 0's worker hosts a fresh store each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+    and the other ranks usually start before it listens. torch's client then backs off 500 ms
+    (±50 %, growing) between attempts, so a server that comes up 50 ms late costs 0.3-0.7 s; a
+    rank first waits, polling every few ms, until the port accepts, and then connects at once
+    (``benchmarks/pg_init.py``)."""
     if not env.under_launcher:
         return dist.HashStore()
+    if env.rank != 0:
+        wait_until_listening(env.master_addr, env.master_port, time.monotonic() + timeout.total_seconds())
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
     except (RuntimeError, ValueError, OSError) as exc:
@@ -130,6 +145,19 @@ def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
             f"within --dist-init-timeout-s={timeout.total_seconds():g}: {_first_line(exc)}"
         ) from exc
     return store
+
+
+def wait_until_listening(host: str, port: int, deadline: float, interval: float = STORE_PROBE_INTERVAL_S) -> bool:
+    """Poll ``host:port`` until a TCP connection succeeds (True) or ``deadline`` (a ``time.monotonic()``
+    value) passes (False); the probe connection is closed at once, without a byte sent."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.001, min(1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() + interval >= deadline:
+                return False
+            time.sleep(interval)
 
 
 def _first_line(exc: BaseException) -> str:

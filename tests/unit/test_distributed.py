@@ -1,0 +1,64 @@
+"""The workers' store connection: a rank waits for rank 0's store to listen, then connects."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from chaos.cluster import free_port
+from elastic_ddp.distributed import LaunchEnv, _open_store, wait_until_listening
+
+HOST = "127.0.0.1"
+
+
+def listen_later(port: int, delay_s: float, ready: threading.Event) -> threading.Thread:
+    def serve() -> None:
+        time.sleep(delay_s)  # the server's late start is the situation under test
+        with socket.create_server((HOST, port)) as server:
+            ready.set()
+            server.settimeout(5)
+            server.accept()[0].close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_returns_once_the_port_accepts() -> None:
+    port, ready = free_port(), threading.Event()
+    thread = listen_later(port, 0.1, ready)
+    assert wait_until_listening(HOST, port, time.monotonic() + 10)
+    assert ready.is_set()
+    thread.join()
+
+
+def test_gives_up_at_the_deadline_when_nothing_listens() -> None:
+    port = free_port()
+    deadline = time.monotonic() + 0.2
+    assert not wait_until_listening(HOST, port, deadline)
+    assert time.monotonic() >= deadline - 0.01
+
+
+def test_a_rank_that_starts_before_rank_0s_store_connects_to_it(monkeypatch) -> None:
+    """The probe's bare connection leaves the store serving: the real client then works."""
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", HOST)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    env = LaunchEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr=HOST, master_port=port,
+                    run_id="unit", restart_count=0, group_rank=0, under_launcher=True)
+    servers: list[dist.TCPStore] = []
+
+    def host_store() -> None:
+        time.sleep(0.1)
+        servers.append(dist.TCPStore(HOST, port, 2, True, timeout=timedelta(seconds=10)))
+
+    thread = threading.Thread(target=host_store)
+    thread.start()
+    store = _open_store(env, timedelta(seconds=10))
+    thread.join()
+    store.set("from-rank-1", b"hello")
+    assert servers[0].get("from-rank-1") == b"hello"
