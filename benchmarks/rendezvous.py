@@ -19,6 +19,8 @@ Parts:
     - ``c10d fresh store``: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what the launch scripts set);
     - ``etcd-v3 + prefork`` and ``c10d fresh store + prefork``: the same, workers started through
       ``-m elastic_ddp.prefork`` (a per-node fork server that imported torch once);
+    - ``etcd-v3 + prefork, no store probe``: as ``etcd-v3 + prefork``, with the workers' wait for
+      rank 0's store to listen turned off (``ELASTIC_DDP_STORE_PROBE=0``): torch's client backoff;
     - ``c10d torch default``: the variable unset, i.e. torch's shared agent store.
 
     Per kill: recovery time (kill -> first step completed by the new attempt, from the wall-clock
@@ -83,6 +85,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chaos.cluster import LocalCluster, wait_for  # noqa: E402
+from elastic_ddp.distributed import STORE_PROBE_ENV  # noqa: E402
 from tests.fixtures.etcd_jobs import (  # noqa: E402
     AGENT_INFO,
     FRESH_STORE_ENV,
@@ -222,6 +225,8 @@ def restart_loops(kills: int, recovery_kills: int, default_kills: int, endpoint:
         (Loop("etcd-v3", "etcd-v3", {}, (FRESH_STORE_ENV,)), kills),
         (Loop("c10d fresh store", "c10d", {FRESH_STORE_ENV: "1"}, ()), recovery_kills),
         (Loop("etcd-v3 + prefork", "etcd-v3", {}, (FRESH_STORE_ENV,), prefork=True), recovery_kills),
+        (Loop("etcd-v3 + prefork, no store probe", "etcd-v3", {STORE_PROBE_ENV: "0"}, (FRESH_STORE_ENV,), prefork=True),
+         recovery_kills),
         (Loop("c10d fresh store + prefork", "c10d", {FRESH_STORE_ENV: "1"}, (), prefork=True), recovery_kills),
         (Loop("c10d torch default", "c10d", {}, (FRESH_STORE_ENV,)), default_kills),
     ]

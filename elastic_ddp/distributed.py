@@ -123,6 +123,8 @@ def cpu_group(world_size: int, timeout_s: float, own: bool) -> dist.ProcessGroup
 
 STORE_PROBE_INTERVAL_S = 0.005
 """How often a rank polls for rank 0's store to listen before it connects (see :func:`_open_store`)."""
+STORE_PROBE_ENV = "ELASTIC_DDP_STORE_PROBE"
+"""``0`` turns that wait off (torch's client backoff alone): the comparison in ``benchmarks/rendezvous.py``."""
 
 
 def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
@@ -135,7 +137,7 @@ def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
     (``benchmarks/pg_init.py``)."""
     if not env.under_launcher:
         return dist.HashStore()
-    if env.rank != 0:
+    if env.rank != 0 and os.environ.get(STORE_PROBE_ENV, "1") != "0":
         wait_until_listening(env.master_addr, env.master_port, time.monotonic() + timeout.total_seconds())
     try:
         store, _, _ = next(dist.rendezvous("env://", env.rank, env.world_size, timeout=timeout))
