@@ -132,9 +132,9 @@ def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
 
     Rank 0's worker hosts a fresh store each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
     and the other ranks usually start before it listens. torch's client then backs off 500 ms
-    (±50 %, growing) between attempts, so a server that comes up 50 ms late costs 0.3-0.7 s; a
-    rank first waits, polling every few ms, until the port accepts, and then connects at once
-    (``benchmarks/pg_init.py``)."""
+    (±50 %, growing) between refused attempts, so a server that comes up a little late costs up to
+    a second; a rank first waits, polling every few ms, until the port accepts, and then connects
+    at once (``benchmarks/pg_init.py`` measures both)."""
     if not env.under_launcher:
         return dist.HashStore()
     if env.rank != 0 and os.environ.get(STORE_PROBE_ENV, "1") != "0":
