@@ -123,6 +123,12 @@ REQUIRED = (
     ),
 )
 
+REQUIRED_STATE_HOLDER = Private(
+    name="_BackendRendezvousStateHolder",
+    attributes=("_last_sync_time",),
+    used_in=f"{_EXECUTOR}.run: a node woken by a change of the state reads it at once, not from the cache",
+)
+
 REQUIRED_IN_STORE_UTIL = (
     Private(
         name="_NUM_MEMBERS",
@@ -134,9 +140,11 @@ REQUIRED_IN_STORE_UTIL = (
     ),
 )
 
-check({dynamic_rendezvous: REQUIRED, store_util: REQUIRED_IN_STORE_UTIL}, version=torch.__version__, supported=SUPPORTED)
+check({dynamic_rendezvous: (*REQUIRED, REQUIRED_STATE_HOLDER), store_util: REQUIRED_IN_STORE_UTIL},
+      version=torch.__version__, supported=SUPPORTED)
 
 _Action = dynamic_rendezvous._Action
+_BackendRendezvousStateHolder = dynamic_rendezvous._BackendRendezvousStateHolder
 _DistributedRendezvousOpExecutor = dynamic_rendezvous._DistributedRendezvousOpExecutor
 _NodeDesc = dynamic_rendezvous._NodeDesc
 _RendezvousContext = dynamic_rendezvous._RendezvousContext

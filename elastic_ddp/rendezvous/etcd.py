@@ -86,6 +86,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
     _Action,
+    _BackendRendezvousStateHolder,
     _DistributedRendezvousOpExecutor,
     _NodeDesc,
     _RendezvousContext,
@@ -106,6 +107,7 @@ _STATE_MAGIC = b"elastic_ddp.rdzv.v1:"
 _CRC_HEX = re.compile(rb"[0-9a-f]{8}")
 _TORCH_SYNC_INTERVAL_S = 1.0  # how long torch's rendezvous loop sleeps before it reads the state again
 _LAST_CALL_MARGIN_S = 0.005  # wake just after the last call's end, not just before it
+_WAKE_COALESCE_S = 0.01  # after a watch fired: let the writes of a burst land, then read once
 LEAVE_TIMEOUT_S = 5.0
 """The most an exiting agent spends taking its node out of the round (etcd may be unreachable)."""
 
@@ -129,6 +131,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = key.encode()
         self._leases = leases
+        self._seen_revision = 0
+        """The newest revision of the state key this process read or wrote (any thread)."""
+
+    def wait_for_change(self, timeout: float) -> bool:
+        """Block until the state is written after the newest revision this process has seen (True),
+        or ``timeout`` seconds pass (False)."""
+        if self._seen_revision <= 0:
+            time.sleep(timeout)
+            return False
+        return self._client.wait_for_put(self._key, self._seen_revision, timeout)
+
+    def _saw(self, revision: int) -> int:
+        self._seen_revision = max(self._seen_revision, revision)
+        return revision
 
     @property
     def name(self) -> str:
@@ -150,7 +166,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         current = self._client.get(self._key)
         if current is None:
             return None
-        return self._decode(current.value), current.mod_revision
+        return self._decode(current.value), self._saw(current.mod_revision)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if ``token`` is still current (``None``: if no state exists).
@@ -169,15 +185,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return self._current_state_not_written()
         current = self._client.get(self._key)
         if (None if current is None else current.mod_revision) != revision:
-            return None if current is None else (self._decode(current.value), current.mod_revision, False)
+            return None if current is None else (self._decode(current.value), self._saw(current.mod_revision), False)
         condition = Absent() if revision is None else ModRevisionIs(revision)
         payload = _encode_state(state)
         outcome = self._leases.write(lambda lease: self._client.put_if(self._key, payload, condition, lease))
         if outcome.succeeded:
-            return state, outcome.revision, True
+            return state, self._saw(outcome.revision), True
         if outcome.current is None:
             return None
-        return self._decode(outcome.current.value), outcome.current.mod_revision, False
+        return self._decode(outcome.current.value), self._saw(outcome.current.mod_revision), False
 
     def _current_state_not_written(self) -> tuple[bytes, Token, bool] | None:
         current = self.get_state()
@@ -247,11 +263,18 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
     quarters of the agents' CPU time (py-spy) and made the rendezvous 3-5x slower. Here the name
     comes from the caller's frame, and only when events are recorded.
 
-    **The last call.** While a participant waits, torch re-reads the state once a second, so a
-    round whose last call ends between two reads completes up to a second late; every membership
-    change of an elastic job (``--nnodes=MIN:MAX``) pays that on top of ``last_call_timeout``.
-    Here a participant that would wait past the end of the last call waits only until it ends.
+    **Waiting.** While a node waits (a participant for others or for the last call to end, a node
+    on the wait list for the next round), torch re-reads the state once a second. So a round whose
+    last call ends between two reads completes up to a second late, and a node that re-joins while
+    the others still hold the old round (it goes on the wait list) joins the new round only at its
+    next read: after a worker's death that was the whole last call again. Here a waiting node
+    watches the state key (with the backend attached, see :attr:`backend`) and reads the state as
+    soon as another node wrote it (after a short pause that lets a burst of writes land, so one read
+    serves them all), and a participant's wait ends no later than the last call.
     """
+
+    backend: EtcdRendezvousBackend | None = None
+    """The state's backend, whose watch wakes a waiting node; without it, only the last call's end does."""
 
     def run(
         self,
@@ -261,17 +284,27 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
     ) -> None:
         """See base class."""
 
-        def until_the_last_call_ends(ctx: _RendezvousContext, deadline: float) -> _Action:
+        def until_something_changes(ctx: _RendezvousContext, deadline: float) -> _Action:
             action = state_handler(ctx, deadline)
-            while action == _Action.SYNC and (pause := _pause_until_last_call_ends(ctx.state)) is not None:
-                time.sleep(pause)
+            while action == _Action.SYNC:
+                pause = _pause_until_last_call_ends(ctx.state)
+                if self.backend is None:
+                    if pause is None:
+                        break  # torch's own one-second wait
+                    time.sleep(pause)
+                else:
+                    limit = _TORCH_SYNC_INTERVAL_S if pause is None else pause
+                    if self.backend.wait_for_change(max(0.0, min(limit, deadline - time.monotonic()))):
+                        time.sleep(_WAKE_COALESCE_S)
+                        if isinstance(self._state_holder, _BackendRendezvousStateHolder):
+                            self._state_holder._last_sync_time = -1.0  # read now, not the cached state
                 self._state_holder.sync()  # a read (or the cached state); completing it is a compare-and-swap
                 self._state = self._state_holder.state
                 ctx = _RendezvousContext(self._node, self._state, self._settings)
                 action = state_handler(ctx, deadline)
             return action
 
-        super().run(until_the_last_call_ends, deadline, update_deadline)
+        super().run(until_something_changes, deadline, update_deadline)
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         _record_event(_DistributedRendezvousOpExecutor, self._node, self._settings.run_id, message, node_state)
@@ -325,16 +358,18 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._op_executor = _OpExecutor(self._this_node, self._state_holder, self._settings)
+        self._op_executor: _OpExecutor = _OpExecutor(self._this_node, self._state_holder, self._settings)
         self._shut_down = False
         self._etcd: _EtcdAccess | None = None
         self._outage_since: float | None = None
         self._last_probe = 0.0
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def attach(self, client: EtcdClient, store: EtcdStore, connect_timeout: float) -> None:
-        """Give the handler the client and store it was built on (torch's constructor takes neither)."""
+    def attach(self, client: EtcdClient, store: EtcdStore, backend: EtcdRendezvousBackend, connect_timeout: float) -> None:
+        """Give the handler the client, store and backend it was built on (torch's constructor takes
+        the backend, but keeps it where the operation executor cannot see it)."""
         self._etcd = _EtcdAccess(client, store, connect_timeout)
+        self._op_executor.backend = backend
 
     def shutdown(self) -> bool:
         """See base class (closes the rendezvous for every node: the job is over). Gives up, with a
@@ -509,7 +544,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
-    handler.attach(client, store, settings.connect_timeout)
+    handler.attach(client, store, backend, settings.connect_timeout)
     return handler
 
 
