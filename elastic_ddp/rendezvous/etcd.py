@@ -136,11 +136,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def wait_for_change(self, timeout: float) -> bool:
         """Block until the state is written after the newest revision this process has seen (True),
-        or ``timeout`` seconds pass (False)."""
-        if self._seen_revision <= 0:
-            time.sleep(timeout)
-            return False
-        return self._client.wait_for_put(self._key, self._seen_revision, timeout)
+        or ``timeout`` seconds pass (False). An etcd that does not answer is no change (False, after
+        at most ``timeout``): the read that follows rides out an outage up to ``read_timeout``."""
+        started = time.monotonic()
+        if self._seen_revision > 0:
+            try:
+                return self._client.wait_for_put(self._key, self._seen_revision, timeout)
+            except EtcdConnectionError:
+                pass
+        time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+        return False
 
     def _saw(self, revision: int) -> int:
         self._seen_revision = max(self._seen_revision, revision)

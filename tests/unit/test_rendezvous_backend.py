@@ -52,6 +52,34 @@ def backend(client: FakeEtcdClient, leases: LeaseKeeper) -> EtcdRendezvousBacken
     return EtcdRendezvousBackend(client, KEY, leases)
 
 
+def test_a_waiting_node_is_woken_by_another_nodes_write(
+    backend: EtcdRendezvousBackend, client: FakeEtcdClient, leases: LeaseKeeper
+) -> None:
+    _, token, _ = backend.set_state(b"round 1")
+    other = EtcdRendezvousBackend(client, KEY, leases)
+    threading.Timer(0.05, other.set_state, args=(b"round 2", token)).start()
+    started = time.monotonic()
+    assert backend.wait_for_change(5.0)
+    assert time.monotonic() - started < 2.0
+
+
+def test_no_write_is_no_change_after_the_timeout(backend: EtcdRendezvousBackend) -> None:
+    backend.set_state(b"round 1")
+    assert not backend.wait_for_change(0.1)
+
+
+def test_an_etcd_that_does_not_answer_is_no_change_not_an_error(
+    backend: EtcdRendezvousBackend, client: FakeEtcdClient
+) -> None:
+    """The watch's budget is the short wait; an outage must not fail the rendezvous there (the read
+    that follows rides it out up to read_timeout)."""
+    backend.set_state(b"round 1")
+    client.down = True
+    started = time.monotonic()
+    assert not backend.wait_for_change(0.2)
+    assert time.monotonic() - started >= 0.19
+
+
 def test_name_is_the_registered_entry_point_name(backend: EtcdRendezvousBackend) -> None:
     assert backend.name == "etcd-v3"
 
