@@ -70,7 +70,6 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -365,29 +364,30 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         super().__init__(*args, **kwargs)
         self._op_executor: _OpExecutor = _OpExecutor(self._this_node, self._state_holder, self._settings)
         self._shut_down = False
-        self._etcd: _EtcdAccess | None = None
+        self._etcd_store: EtcdStore | None = None
         self._outage_since: float | None = None
         self._last_probe = 0.0
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def attach(self, client: EtcdClient, store: EtcdStore, backend: EtcdRendezvousBackend, connect_timeout: float) -> None:
-        """Give the handler the client, store and backend it was built on (torch's constructor takes
-        the backend, but keeps it where the operation executor cannot see it)."""
-        self._etcd = _EtcdAccess(client, store, connect_timeout)
+    def attach(self, store: EtcdStore, backend: EtcdRendezvousBackend) -> None:
+        """Give the handler the store and backend it was built on (torch's constructor takes both, but
+        keeps them where neither this class's probes nor the operation executor can see them)."""
+        self._etcd_store = store
         self._op_executor.backend = backend
 
     def shutdown(self) -> bool:
         """See base class (closes the rendezvous for every node: the job is over). Gives up, with a
         warning, when etcd does not answer within ``connect_timeout``."""
         self._shut_down = True
-        if self._etcd is not None and (self._etcd.store.exit_barrier_given_up or not self._etcd.answers()):
+        store = self._etcd_store
+        if store is not None and (store.exit_barrier_given_up or not store.answers()):
             # torch's stop joins the heartbeat thread, which may be waiting read_timeout on etcd
             stopper = threading.Thread(target=self._stop_heartbeats, name="etcd-v3-stop-heartbeats", daemon=True)
             stopper.start()
-            stopper.join(self._etcd.connect_timeout)
+            stopper.join(store.probe_timeout)
             logger.warning(
                 "etcd-v3: etcd did not answer within %s s at shutdown; rendezvous %s is not closed (its "
-                "keys expire with their lease)", self._etcd.connect_timeout, self._settings.run_id,
+                "keys expire with their lease)", store.probe_timeout, self._settings.run_id,
             )  # fmt: skip
             return False
         return super().shutdown()
@@ -405,12 +405,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
 
     def _check_in_at_exit_barrier(self, round_: int, agents: int) -> None:
-        if self._etcd is None:
+        if self._etcd_store is None:
             return
         prefix = _round_store_prefix(self._settings.run_id, round_)
-        if any(key.startswith(prefix + "/") for key in self._etcd.store.exit_barrier_check_ins):
+        if any(key.startswith(prefix + "/") for key in self._etcd_store.exit_barrier_check_ins):
             return  # the agent got there itself
-        store = dist.PrefixStore(prefix, self._etcd.store)
+        store = dist.PrefixStore(prefix, self._etcd_store)
         if store.add(EXIT_BARRIER_COUNT, 1) == agents:
             store.set(EXIT_BARRIER_DONE, "<val_ignored>")
 
@@ -445,10 +445,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _etcd_back(self) -> bool:
         """During an outage: whether a probe (at most every keep_alive_interval) got an answer."""
         now = time.monotonic()
-        if self._etcd is None or now - self._last_probe < self._settings.keep_alive_interval.total_seconds():
+        if self._etcd_store is None or now - self._last_probe < self._settings.keep_alive_interval.total_seconds():
             return False
         self._last_probe = now
-        return self._etcd.answers()
+        return self._etcd_store.answers()
 
     def _left_behind(self) -> bool:
         # torch exposes neither the participants nor this node's descriptor; both are read from
@@ -462,21 +462,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             "(an etcd outage?); restarting the worker group to re-join",
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
-        return True
-
-
-@dataclass(frozen=True)
-class _EtcdAccess:
-    client: EtcdClient
-    store: EtcdStore
-    connect_timeout: float
-
-    def answers(self) -> bool:
-        """Whether an etcd member answers within ``connect_timeout``."""
-        try:
-            self.client.status(timeout=self.connect_timeout)
-        except EtcdConnectionError:
-            return False
         return True
 
 
@@ -549,7 +534,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
-    handler.attach(client, store, backend, settings.connect_timeout)
+    handler.attach(store, backend)
     return handler
 
 

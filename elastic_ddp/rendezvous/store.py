@@ -113,14 +113,14 @@ class EtcdStore(dist.Store):
         """Return once every key exists; raise :class:`EtcdStoreTimeoutError` after ``timeout``.
 
         The exit barrier's wait returns (with a warning) when etcd cannot be reached."""
-        if not any(key.endswith(EXIT_BARRIER_DONE) for key in keys):
-            self._wait_for(keys, self._deadline(timeout))
-            return
-        if self._exit_barrier_given_up:
+        exit_barrier = any(key.endswith(EXIT_BARRIER_DONE) for key in keys)
+        if exit_barrier and self._exit_barrier_given_up:
             return
         try:
             self._wait_for(keys, self._deadline(timeout))
         except EtcdConnectionError as exc:
+            if not exit_barrier:
+                raise
             self._give_up_exit_barrier(exc)
 
     def check(self, keys: Sequence[str]) -> bool:
@@ -143,11 +143,28 @@ class EtcdStore(dist.Store):
             return self._add(key, amount)
         self.exit_barrier_check_ins.append(key)
         try:
-            self._client.status(timeout=self._probe_timeout)
+            self.probe()
             return self._add(key, amount)
         except EtcdConnectionError as exc:
             self._give_up_exit_barrier(exc)
             return 0
+
+    @property
+    def probe_timeout(self) -> float:
+        """Seconds :meth:`probe` waits for an etcd member to answer."""
+        return self._probe_timeout
+
+    def probe(self) -> None:
+        """Raise :class:`EtcdConnectionError` unless an etcd member answers within :attr:`probe_timeout`."""
+        self._client.status(timeout=self._probe_timeout)
+
+    def answers(self) -> bool:
+        """Whether an etcd member answers within :attr:`probe_timeout`."""
+        try:
+            self.probe()
+        except EtcdConnectionError:
+            return False
+        return True
 
     @property
     def exit_barrier_given_up(self) -> bool:
