@@ -20,6 +20,7 @@ fails there first.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -50,7 +51,7 @@ class Private:
         """What is missing or different in ``module``; empty when nothing is."""
         where = f"{module.__name__}.{self.name}"
         try:
-            found = _resolve(module, self.name)
+            found = operator.attrgetter(self.name)(module)
         except AttributeError:
             return [f"{where} is missing"]
         problems = [f"{where}.{name} is missing" for name in self.attributes if not _has_attribute(found, name)]
@@ -101,13 +102,6 @@ def check(required: Mapping[ModuleType, Iterable[Requirement]], *, version: str,
             f"elastic_ddp supports {supported}, and the installed {library} {version} lacks what it relies on: "
             f"{'; '.join(problems)}. Install a supported version: pip install '{supported}'"
         )
-
-
-def _resolve(module: ModuleType, dotted: str) -> Any:
-    found: Any = module
-    for part in dotted.split("."):
-        found = getattr(found, part)
-    return found
 
 
 def _has_attribute(owner: Any, name: str) -> bool:

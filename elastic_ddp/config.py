@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import json
 import math
+import operator
 import os
 import sys
 import typing
@@ -383,7 +384,7 @@ def not_fingerprinted(default: Any) -> Any:
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
     """The config values a checkpoint must agree with to be resumed by this run."""
     return {
-        dotted: _get_dotted(config, dotted)
+        dotted: operator.attrgetter(dotted)(config)
         for section, f, _ in _all_leaves(type(config))
         if _fingerprinted(dotted := _dotted(section, f.name), section, f)
     }
@@ -423,13 +424,6 @@ def config_digest(config: TrainConfig) -> str:
     """A short stable hash of the whole config, for logs and run directories."""
     text = json.dumps(dataclasses.asdict(config), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def _get_dotted(config: TrainConfig, dotted: str) -> Any:
-    value: Any = config
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _dotted(section: str, name: str) -> str:

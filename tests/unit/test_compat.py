@@ -11,6 +11,7 @@ import dis
 import importlib
 import importlib.util
 import inspect
+import operator
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from elastic_ddp import _torch_compat
 from elastic_ddp import checkpoint as checkpoint_package
-from elastic_ddp._compat import Behaviour, IncompatibleLibraryError, Private, Requirement, _resolve, check
+from elastic_ddp._compat import Behaviour, IncompatibleLibraryError, Private, Requirement, check
 from elastic_ddp.checkpoint import _s3fs_compat
 from elastic_ddp.checkpoint.storage import open_storage
 from elastic_ddp.errors import CheckpointError, ElasticDDPError
@@ -81,7 +82,7 @@ def _without_annotations(function: Any) -> str:
 
 @pytest.mark.parametrize(("module", "name"), list(SIGNATURES), ids=[name for _, name in SIGNATURES])
 def test_private_signatures_are_the_ones_elastic_ddp_was_written_against(module: ModuleType, name: str) -> None:
-    assert _without_annotations(_resolve(module, name)) == SIGNATURES[module, name]
+    assert _without_annotations(operator.attrgetter(name)(module)) == SIGNATURES[module, name]
 
 
 @pytest.mark.parametrize(("requirements", "module"), list(REQUIRED.values()), ids=list(REQUIRED))
