@@ -327,8 +327,9 @@ class CheckpointManager:
             token=self.token,
             meta=staged.meta,
         )
-        self.storage.create(self.storage.join(directory, MANIFEST_NAME), manifest.to_json())
-        self._verified.add(manifest.to_json())
+        body = manifest.to_json()
+        self.storage.create(self.storage.join(directory, MANIFEST_NAME), body)
+        self._verified.add(body)
         logger.info("committed checkpoint %s (%d files, %.1f MB)", directory, len(files), manifest.total_bytes / 1e6)
         self.events.emit(Event.COMMITTED, step=staged.step, path=directory, world_size=self.world_size, files=len(files),
                          bytes=manifest.total_bytes)
