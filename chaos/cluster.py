@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 
+
+REPLICA_DIR_ENV = "ELASTIC_DDP_REPLICA_DIR"
+"""elastic_ddp.checkpoint.replica.REPLICA_DIR_ENV, restated: importing the runtime would import torch here."""
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
@@ -74,8 +78,10 @@ class Node:
     """One simulated node: a torchrun agent in its own process group, its output in a log file."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
-                 prefork_script: str = "") -> None:
+                 prefork_script: str = "", replica_dir: Path | None = None) -> None:
         self.name = name
+        self.replica_dir = replica_dir
+        """This node's memory for replicas (``ELASTIC_DDP_REPLICA_DIR``): nodes of one machine must not share it."""
         self.command = command
         self.env = env
         self.log_path = log_path
@@ -129,6 +135,11 @@ class Node:
                 os.killpg(group, signum)
             except ProcessLookupError:
                 pass
+
+    def lose_memory(self) -> None:
+        """What a node that is gone loses with its machine: the replicas it kept in memory."""
+        if self.replica_dir is not None:
+            shutil.rmtree(self.replica_dir, ignore_errors=True)
 
     def worker_pids(self) -> list[int]:
         """Pids of the agent's worker processes (its children), read from /proc."""
@@ -271,8 +282,11 @@ class LocalCluster:
         c10d; ``etcd-v3`` has no such node).
         """
         name = f"node{len(self.nodes)}"
-        node = Node(name, self.spec.torchrun_command(extra_args), {**self.node_env(), **(env or {})},
-                    self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "")
+        replica_dir = self.workdir / "node-memory" / name
+        node = Node(name, self.spec.torchrun_command(extra_args),
+                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), **(env or {})},
+                    self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "",
+                    replica_dir=replica_dir)
         self.nodes.append(node.start())
         if self.spec.rdzv_backend == "c10d" and len(self.nodes) == 1:
             host, port = self.spec.rdzv_endpoint.rsplit(":", 1)

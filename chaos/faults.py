@@ -360,7 +360,8 @@ class KillNode(Fault):
         node = self.pick_node(env)
         if node is not None:
             node.signal_node(signal.SIGKILL)
-            self.record.detail = "SIGKILL to agent and workers"
+            node.lose_memory()
+            self.record.detail = "SIGKILL to agent and workers; its memory (replicas) is gone"
         return []
 
 
@@ -375,6 +376,7 @@ class KillDuringSave(KillNode):
         if node is None or step is None:
             return []
         node.signal_node(signal.SIGKILL)
+        node.lose_memory()
         interrupted = not env.store.has_manifest(step)
         self.record.detail = (f"SIGKILL during the save of step {step}: "
                               + ("no manifest yet at the kill" if interrupted else "the manifest landed first"))
@@ -593,6 +595,7 @@ def _kill_if_running(node: Node) -> str:
     if not node.running:
         return ""
     node.signal_node(signal.SIGKILL)
+    node.lose_memory()
     return f"{node.name} still running after the grace period: SIGKILL"
 
 

@@ -71,6 +71,8 @@ class JobEvent:
     reason: str = ""
     text: str = ""
     """The error or detail it carries (an agent line: the line)."""
+    source: str = ""
+    """Where a ``resumed`` event's state came from: ``storage`` or ``replica``."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def job_events(records: Iterable[Mapping[str, Any]], nodes: Mapping[int, str]) -
         events.append(JobEvent(float(record["time"]), node, str(record["event"]), rank=record["rank"],
                                step=_int(record.get("step")), path=str(record.get("path", "")),
                                world_size=_int(record.get("world_size")), reason=str(record.get("reason", "")),
-                               text=str(text)))
+                               text=str(text), source=str(record.get("source", ""))))
     return events
 
 
@@ -450,6 +452,10 @@ def _clock(when: float) -> str:
 
 
 def _resume_problem(resume: JobEvent, events: list[JobEvent], commits: list[Commit], faults: list[FaultRecord]) -> str:
+    if resume.source == "replica":
+        saved = [event for event in events if event.kind == Event.REPLICA_SAVED and event.step == resume.step
+                 and event.time <= resume.time]
+        return "" if saved else f"no node recorded a replica of step {resume.step} before it was loaded"
     name = step_dir(resume.path)
     committed_at = [event.time for event in events if event.kind == Event.COMMITTED and step_dir(event.path) == name
                     and event.time <= resume.time]

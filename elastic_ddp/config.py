@@ -163,6 +163,13 @@ class CheckpointConfig:
     async_save: bool = True
     """Save in the background: the step only copies state into reused CPU buffers; writing, hashing and
     the commit run while training continues (at most one save in flight; errors surface at the next step)."""
+    replica_every: int = 1
+    """Keep a replica of the state every N steps in each node's memory (every node holds the whole state;
+    a restart resumes from the newest replica that survived when it is newer than the newest commit, so
+    a killed worker or node costs no steps); 0: off. Needs --checkpoint-dir (the fallback)."""
+    replica_dir: str = ""
+    """Where each node keeps its replicas; empty: $ELASTIC_DDP_REPLICA_DIR, else /dev/shm/elastic_ddp-replicas-<uid>.
+    Must be node-local (each node writes its own copy): never a shared file system."""
     storage_options: str = ""
     """JSON object of fsspec options for a remote --checkpoint-dir, e.g. {"endpoint_url": "http://127.0.0.1:9000"}.
     Credentials are better left to the standard AWS environment; values here are never logged."""
@@ -178,6 +185,8 @@ class CheckpointConfig:
                 found.append(("storage_options", "must be a JSON object"))
         if self.every < 0:
             found.append(("every", "must be >= 0"))
+        if self.replica_every < 0:
+            found.append(("replica_every", "must be >= 0 (0: no replicas)"))
         if (what := _seconds_problem(self.every_seconds, zero_ok=True, zero_means="0: off")) is not None:
             found.append(("every_seconds", what))
         if not self.dir:

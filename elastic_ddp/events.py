@@ -54,6 +54,7 @@ class Event(str, enum.Enum):
     RESTORE_FAILED = "restore_failed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
     COMMITTED = "committed"
+    REPLICA_SAVED = "replica_saved"
     UNCOMMITTED = "uncommitted"
     SAVE_FAILED = "save_failed"
     STOP_REQUESTED = "stop_requested"
@@ -67,10 +68,11 @@ class Event(str, enum.Enum):
 FIELDS: Mapping[Event, tuple[str, ...]] = {
     Event.PROCESS_GROUP_FORMED: ("world_size", "backend", "store", "agent_store", "restart_count"),
     Event.STARTED_FRESH: ("world_size", "reason"),
-    Event.RESUMED: ("step", "path", "saved_world_size", "world_size", "rank_state_reused"),
+    Event.RESUMED: ("step", "path", "saved_world_size", "world_size", "rank_state_reused", "source"),
     Event.RESTORE_FAILED: ("error",),
     Event.CHECKPOINT_SKIPPED: ("step", "path", "reason"),
     Event.COMMITTED: ("step", "path", "world_size", "files", "bytes"),
+    Event.REPLICA_SAVED: ("step", "path", "token"),
     Event.UNCOMMITTED: ("step", "path", "reason"),
     Event.SAVE_FAILED: ("step", "error"),
     Event.STOP_REQUESTED: ("reason",),

@@ -37,6 +37,7 @@ from elastic_ddp._torch_compat import foreach_div_
 from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
+from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_options
 from elastic_ddp.data import ElasticSampler, StepPlan
@@ -160,6 +161,7 @@ class Trainer:
         self.async_checkpoints = (
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
         )
+        self.replicas = self._make_replicas()
         self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
         self._start_resilience()
         self._restore_or_start_fresh()
@@ -226,6 +228,18 @@ class Trainer:
             events=self.events,
         )
 
+    def _make_replicas(self) -> Replicas | None:
+        checkpoint = self.config.checkpoint
+        if self.checkpoints is None or not checkpoint.replica_every:
+            return None
+        env = self.context.env
+        return Replicas(
+            checkpoint.replica_dir or default_root(), run_id=env.run_id, rank=self.context.rank,
+            world_size=self.context.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
+            token=self.checkpoints.token, every=checkpoint.replica_every, generation=env.restart_count,
+            group=self.agreement_group, events=self.events,
+        )
+
     def _start_resilience(self) -> None:
         resilience = self.config.resilience
         self.stop = StopRequests()
@@ -258,7 +272,8 @@ class Trainer:
         """Resume, or start at step 0; the manager's restore writes its ``resumed`` or ``started_fresh`` event."""
         restored = None
         if self.checkpoints is not None and self.config.checkpoint.resume:
-            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start)
+            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start,
+                                                replicas=self.replicas)
         else:
             if self.checkpoints is not None:
                 self.checkpoints.refuse_if_committed()
@@ -270,8 +285,9 @@ class Trainer:
             return
         position = self.sampler.position
         self.log0.info(
-            "resumed from %s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
-            restored.path, restored.step, position.epoch, position.cursor, restored.world_size,
+            "resumed from %s%s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
+            "the replica in " if restored.source == "replica" else "", restored.path, restored.step, position.epoch,
+            position.cursor, restored.world_size,
             self.context.world_size, "" if restored.rank_state_reused else "; RNG streams re-derived",
         )
         self._check_lr_horizon()
@@ -381,6 +397,9 @@ class Trainer:
         if self.checkpoints is not None and (save_due or (every and step % every == 0)):
             self.watchdog.enter(Phase.CHECKPOINT)
             self.save_checkpoint()
+        if self.replicas is not None and self.replicas.due(step):
+            self.watchdog.enter(Phase.COLLECTIVE)
+            self.replicas.save(self.state)
         self.watchdog.enter(Phase.STEP)
 
     def _stop(self, reason: str, last_loss: float | None) -> TrainResult:
@@ -409,6 +428,8 @@ class Trainer:
             self.async_checkpoints.wait()
         if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
             self.save_checkpoint(blocking=True)
+        if self.replicas is not None and self.checkpoints is not None and self.config.checkpoint.save_final:
+            self.replicas.discard()  # the final state is committed: nothing will resume from node memory
         self.watchdog.enter(Phase.EVAL)
         evaluated_here = self._last_eval is not None and self._last_eval[0] == counters.step
         metrics = self._last_eval[1] if evaluated_here else self.evaluate()  # type: ignore[index]
@@ -588,6 +609,8 @@ class Trainer:
         self.watchdog.enter(Phase.CHECKPOINT)  # a save still in flight is waited for under that phase's limit
         if self.async_checkpoints is not None:
             self.async_checkpoints.close()
+        if self.replicas is not None:
+            self.replicas.close()
         if self.checkpoints is not None:
             self.checkpoints.wait_for_retention()
         self.watchdog.close()

@@ -29,7 +29,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from elastic_ddp.errors import (
     NoValidCheckpointError,
 )
 from elastic_ddp.events import Event, EventLog
+
+if TYPE_CHECKING:
+    from elastic_ddp.checkpoint.replica import Replicas
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,8 @@ class Restored:
     path: str
     world_size: int
     rank_state_reused: bool
+    source: str = "storage"
+    """``storage`` (a committed checkpoint under the manager's URI) or ``replica`` (a node's copy in memory)."""
 
 
 @dataclass
@@ -421,18 +426,32 @@ class CheckpointManager:
 
     # -- restore -----------------------------------------------------------------
 
-    def restore(self, state: CheckpointState, allow_fresh_start: bool = False) -> Restored | None:
+    def restore(self, state: CheckpointState, allow_fresh_start: bool = False,
+                replicas: Replicas | None = None) -> Restored | None:
         """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load.
+        With ``replicas``, a node's replica at least as new as the newest committed checkpoint comes first
+        (:mod:`elastic_ddp.checkpoint.replica`), and storage is the fallback.
         Each rank writes what happened: ``resumed``, ``started_fresh`` or ``restore_failed``."""
         try:
-            restored = self._restore(state, allow_fresh_start)
+            restored = replicas.restore(state, self.newest_committed()) if replicas is not None else None
+            if restored is None:
+                restored = self._restore(state, allow_fresh_start)
         except CheckpointError as exc:
             self.events.emit(Event.RESTORE_FAILED, error=str(exc))
             raise
         if restored is not None:
             self.events.emit(Event.RESUMED, step=restored.step, path=restored.path, saved_world_size=restored.world_size,
-                             world_size=self.world_size, rank_state_reused=restored.rank_state_reused)
+                             world_size=self.world_size, rank_state_reused=restored.rank_state_reused,
+                             source=restored.source)
         return restored
+
+    def newest_committed(self) -> int | None:
+        """The newest committed step under the root (its files not read), the same on every rank."""
+        newest: builtins.list[Any] = [None]
+        if self.rank == 0:
+            newest[0] = next((info.step for info in self.list() if info.committed), None)
+        self._broadcast_from_main(newest)
+        return newest[0]
 
     def _restore(self, state: CheckpointState, allow_fresh_start: bool) -> Restored | None:
         choice: builtins.list[Any] = [None, None]
@@ -505,13 +524,10 @@ class CheckpointManager:
     def refuse_if_committed(self) -> None:
         """Raise on every rank when the root already holds a committed checkpoint (for a run told not to
         resume: its own commits would collide with those steps, and retention would count them)."""
-        newest: builtins.list[Any] = [None]
-        if self.rank == 0:
-            newest[0] = next((info.step for info in self.list() if info.committed), None)
-        self._broadcast_from_main(newest)
-        if newest[0] is not None:
+        newest = self.newest_committed()
+        if newest is not None:
             raise CheckpointError(
-                f"--no-checkpoint-resume: {self.uri} already holds committed checkpoints (newest: step {newest[0]}); "
+                f"--no-checkpoint-resume: {self.uri} already holds committed checkpoints (newest: step {newest}); "
                 "a run that does not resume needs an empty --checkpoint-dir: move them or choose another directory"
             )
 

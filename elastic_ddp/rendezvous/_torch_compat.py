@@ -46,8 +46,9 @@ def _round_stores_are_prefixed_by_run_and_round(module: ModuleType) -> bool:
 REQUIRED = (
     Private(
         name="_Action",
-        attributes=("SYNC",),
-        used_in=f"{_EXECUTOR}.run: a participant told to re-read the state waits for the last call instead",
+        attributes=("SYNC", "MARK_RENDEZVOUS_COMPLETE"),
+        used_in=f"{_EXECUTOR}.run: a participant told to re-read the state waits for the last call instead, "
+                "or completes the round early",
     ),
     Private(
         name="_DistributedRendezvousOpExecutor",
@@ -83,8 +84,19 @@ REQUIRED = (
     ),
     Private(
         name="_RendezvousState",
-        attributes=("round", "complete", "deadline", "participants"),
-        used_in=f"{_HANDLER} (leave, _left_behind) and etcd._pause_until_last_call_ends read it",
+        attributes=("round", "complete", "closed", "deadline", "participants", "wait_list", "redundancy_list",
+                    "last_heartbeats"),
+        used_in=f"{_HANDLER} (leave, _left_behind), etcd._pause_until_last_call_ends and etcd._may_close_early read it",
+    ),
+    Private(
+        name="_RendezvousJoinOp",
+        parameters=(),
+        used_in=f"{_EXECUTOR}.run: only a join may complete a round early",
+    ),
+    Private(
+        name="RendezvousSettings",
+        attributes=("min_nodes", "max_nodes"),
+        used_in="etcd._may_close_early: a round closes early only with min_nodes to max_nodes participants",
     ),
     Private(
         name="_RendezvousStateHolder",
@@ -149,6 +161,7 @@ _DistributedRendezvousOpExecutor = dynamic_rendezvous._DistributedRendezvousOpEx
 _NodeDesc = dynamic_rendezvous._NodeDesc
 _RendezvousContext = dynamic_rendezvous._RendezvousContext
 _RendezvousExitOp = dynamic_rendezvous._RendezvousExitOp
+_RendezvousJoinOp = dynamic_rendezvous._RendezvousJoinOp
 _RendezvousState = dynamic_rendezvous._RendezvousState
 _NUM_MEMBERS = store_util._NUM_MEMBERS
 _LAST_MEMBER_CHECKIN = store_util._LAST_MEMBER_CHECKIN

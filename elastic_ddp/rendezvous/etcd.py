@@ -90,6 +90,7 @@ from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, che
     _NodeDesc,
     _RendezvousContext,
     _RendezvousExitOp,
+    _RendezvousJoinOp,
     _RendezvousState,
 )
 from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
@@ -275,10 +276,17 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
     watches the state key (with the backend attached, see :attr:`backend`) and reads the state as
     soon as another node wrote it (after a short pause that lets a burst of writes land, so one read
     serves them all), and a participant's wait ends no later than the last call.
+
+    **Closing early.** torch keeps a round open for the whole last call, whoever is still to come.
+    After the job's first round, with :attr:`early_close`, a participant completes the round as
+    soon as every live node has joined it (:func:`_may_close_early`): a re-formation after a
+    preemption or a failure then costs no last call at all.
     """
 
     backend: EtcdRendezvousBackend | None = None
     """The state's backend, whose watch wakes a waiting node; without it, only the last call's end does."""
+    early_close: bool = False
+    """Whether a round after the first completes once every live node is a participant."""
 
     def run(
         self,
@@ -288,9 +296,14 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
     ) -> None:
         """See base class."""
 
+        joining = isinstance(state_handler, _RendezvousJoinOp)
+
         def until_something_changes(ctx: _RendezvousContext, deadline: float) -> _Action:
             action = state_handler(ctx, deadline)
             while action == _Action.SYNC:
+                if joining and self.early_close and _may_close_early(ctx):
+                    self._record(f"The node '{self._node}' closes round {ctx.state.round} early: every live node joined")
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
                 pause = _pause_until_last_call_ends(ctx.state)
                 if self.backend is None:
                     if pause is None:
@@ -312,6 +325,21 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         _record_event(_DistributedRendezvousOpExecutor, self._node, self._settings.run_id, message, node_state)
+
+
+def _may_close_early(ctx: _RendezvousContext) -> bool:
+    """Whether this participant may complete the open round now: it is not the job's first round,
+    the round has ``min_nodes`` to ``max_nodes`` participants, no node waits for a later round or
+    as a spare, and every node with a heartbeat (torch drops a node whose heartbeats stopped) is a
+    participant. The first round waits its last call: nodes starting together start together."""
+    state, settings = ctx.state, ctx.settings
+    if state.round == 0 or state.complete or state.closed or state.deadline is None:
+        return False
+    if ctx.node not in state.participants or state.wait_list or state.redundancy_list:
+        return False
+    if not settings.min_nodes <= len(state.participants) <= settings.max_nodes:
+        return False
+    return all(node in state.participants for node in state.last_heartbeats)
 
 
 def _pause_until_last_call_ends(state: _RendezvousState) -> float | None:
@@ -369,11 +397,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._last_probe = 0.0
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def attach(self, store: EtcdStore, backend: EtcdRendezvousBackend) -> None:
+    def attach(self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True) -> None:
         """Give the handler the store and backend it was built on (torch's constructor takes both, but
-        keeps them where neither this class's probes nor the operation executor can see them)."""
+        keeps them where neither this class's probes nor the operation executor can see them), and
+        the ``early_close`` setting (see :class:`_OpExecutor`)."""
         self._etcd_store = store
         self._op_executor.backend = backend
+        self._op_executor.early_close = early_close
 
     def shutdown(self) -> bool:
         """See base class (closes the rendezvous for every node: the job is over). Gives up, with a
@@ -534,7 +564,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
-    handler.attach(store, backend)
+    handler.attach(store, backend, early_close=settings.early_close)
     return handler
 
 

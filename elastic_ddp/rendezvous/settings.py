@@ -22,9 +22,17 @@ echoed.
 ``key``                     the client certificate and key for mutual TLS.
 ``user``, ``password``      etcd credentials (both or neither).
 ``join_timeout``,           torch's ``DynamicRendezvousHandler`` timeouts in seconds
-``last_call_timeout``,      (positive integers, torch's defaults), validated here and
-``close_timeout``,          passed to the handler.
-``heartbeat_timeout``
+``close_timeout``,          (positive integers, torch's defaults), validated here and
+``heartbeat_timeout``       passed to the handler.
+``last_call_timeout``       seconds a round stays open for more nodes once ``min_nodes``
+                            have joined (default 30, torch's); a positive number, fractions
+                            allowed (e.g. ``0.2``; at least 0.01).
+``early_close``             ``true`` (default) or ``false``: after the job's first round, a
+                            round closes as soon as every live node of the job has joined it
+                            (each node with a current heartbeat is a participant and none
+                            waits), without waiting for the last call. A node that was not
+                            running yet joins in the next round. The first round always
+                            waits the last call, so that nodes starting together start together.
 ``keep_alive_interval``,    seconds between heartbeats, and how many missed heartbeats
 ``keep_alive_max_attempt``  make a node dead (positive integers, torch's defaults). An
                             etcd outage longer than their product drops every node from
@@ -72,11 +80,17 @@ _TORCH_DEFAULTS = {
     "keep_alive_interval": 5,
     "keep_alive_max_attempt": 3,
 }
-_OWN_KEYS = ("key_prefix", "ttl", "read_timeout", "connect_timeout", "cacert", "cert", "key", "user", "password")
+_OWN_KEYS = (
+    "key_prefix", "ttl", "read_timeout", "connect_timeout", "cacert", "cert", "key", "user", "password", "early_close",
+)
+_FRACTIONAL = frozenset({"last_call_timeout"})
+MIN_LAST_CALL_S = 0.01
 _LAUNCHER_KEYS = ("timeout",)
 _TORCH_ETCD_KEYS = ("protocol",)
 KNOWN_KEYS = frozenset(_OWN_KEYS) | frozenset(_TORCH_DEFAULTS) | frozenset(_LAUNCHER_KEYS) | frozenset(_TORCH_ETCD_KEYS)
 _UNSIGNED_INT = re.compile(r"^\s*\d+\s*$")
+_UNSIGNED_NUMBER = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)\s*$")
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +128,10 @@ class EtcdRendezvousSettings:
     join_timeout: int = _TORCH_DEFAULTS["join_timeout"]
     """Seconds a rendezvous may take to complete; then ``next_rendezvous`` raises
     ``RendezvousTimeoutError`` and the agent exits."""
-    last_call_timeout: int = _TORCH_DEFAULTS["last_call_timeout"]
-    """Seconds a round stays open for more nodes once ``min_nodes`` have joined."""
+    last_call_timeout: float = _TORCH_DEFAULTS["last_call_timeout"]
+    """Seconds a round stays open for more nodes once ``min_nodes`` have joined (fractions allowed)."""
+    early_close: bool = True
+    """Whether a round after the job's first closes once every live node has joined it (see the module docstring)."""
     close_timeout: int = _TORCH_DEFAULTS["close_timeout"]
     """Seconds marking the rendezvous closed may take (job end, agent shutdown)."""
     heartbeat_timeout: int = _TORCH_DEFAULTS["heartbeat_timeout"]
@@ -165,7 +181,10 @@ class EtcdRendezvousSettings:
         use_tls = _protocol(config, endpoint, use_tls, issues)
         _check_run_id(run_id, issues)
         _check_unknown_keys(config, issues)
-        ints: dict[str, Any] = {name: _positive_int(config, name, default, issues) for name, default in _TORCH_DEFAULTS.items()}
+        ints: dict[str, Any] = {
+            name: (_positive_number if name in _FRACTIONAL else _positive_int)(config, name, default, issues)
+            for name, default in _TORCH_DEFAULTS.items()
+        }
         ttl = _positive_int(config, "ttl", DEFAULT_TTL_S, issues)
         connect_timeout = _positive_int(config, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S, issues)
         read_timeout = _read_timeout(config, ints["join_timeout"], issues)
@@ -173,6 +192,7 @@ class EtcdRendezvousSettings:
         tls: dict[str, Any] = _tls_files(config, issues)
         user, password = _credentials(config, issues)
         key_prefix = _key_prefix(config, issues)
+        early_close = _boolean(config, "early_close", True, issues)
         if issues:
             raise EtcdConfigError(
                 "invalid etcd-v3 rendezvous settings (--rdzv-endpoint/--rdzv-conf):\n  " + "\n  ".join(issues)
@@ -187,6 +207,7 @@ class EtcdRendezvousSettings:
             use_tls=use_tls,
             user=user,
             password=password,
+            early_close=early_close,
             **tls,
             **ints,
         )
@@ -260,6 +281,29 @@ def _positive_int(config: Mapping[str, Any], name: str, default: int, issues: li
         issues.append("%s=%r must be a positive integer" % (name, value))
         return default
     return int(value)
+
+
+def _positive_number(config: Mapping[str, Any], name: str, default: float, issues: list[str]) -> float:
+    value = config.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not _UNSIGNED_NUMBER.match(str(value)) or float(value) < MIN_LAST_CALL_S:
+        issues.append("%s=%r must be a number of seconds, at least %s" % (name, value, MIN_LAST_CALL_S))
+        return default
+    return float(value)
+
+
+def _boolean(config: Mapping[str, Any], name: str, default: bool, issues: list[str]) -> bool:
+    value = config.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    parsed = _BOOLEANS.get(str(value).strip().lower())
+    if parsed is None:
+        issues.append("%s=%r must be true or false" % (name, value))
+        return default
+    return parsed
 
 
 def _read_timeout(config: Mapping[str, Any], join_timeout: int, issues: list[str]) -> int:

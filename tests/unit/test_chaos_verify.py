@@ -97,7 +97,7 @@ def test_event_records_become_job_events_on_the_node_of_their_agent() -> None:
         record(0.0, "process_group_formed", world_size=4, backend="gloo", store="127.0.0.1:1", agent_store=False,
                restart_count=0),
         record(1.0, "resumed", rank=2, agent_pid=12, step=60, path="s3://b/p/step-00000060", saved_world_size=4,
-               world_size=2, rank_state_reused=False),
+               world_size=2, rank_state_reused=False, source="storage"),
         record(2.0, "exit", rank=1, agent_pid=99, reason="peer-lost", status=75, detail="a peer left"),
     ]
     records, problems = parse_events(lines)

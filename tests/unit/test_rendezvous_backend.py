@@ -454,3 +454,47 @@ def test_torchs_handler_sees_the_end_of_the_last_call_at_its_next_read(client: F
     """The control for the test above: with torch's executor B is late by its stagger."""
     a, b = _finish_times_of_a_staggered_join(client, DynamicRendezvousHandler)
     assert b - a > 0.3
+
+
+def _round_seconds(client: FakeEtcdClient, early_close: bool) -> tuple[float, float]:
+    """Two nodes of an elastic job (2 to 3 nodes, last call 2 s) form a round, then both re-join, as
+    after a membership change; returns how long each round took to complete."""
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    timeout = RendezvousTimeout(join=timedelta(seconds=20), last_call=timedelta(seconds=2))
+
+    def handler() -> EtcdRendezvousHandler:
+        store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
+        backend = EtcdRendezvousBackend(client, KEY, leases)
+        node = EtcdRendezvousHandler.from_backend("job", store, backend, 2, 3, "127.0.0.1", timeout)
+        node.attach(store, backend, early_close=early_close)
+        return node
+
+    handlers = [handler(), handler()]
+
+    def rendezvous_of_both() -> None:
+        threads = [threading.Thread(target=node.next_rendezvous) for node in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "a node did not complete its rendezvous within 30 s"
+
+    began = time.monotonic()
+    rendezvous_of_both()
+    first = time.monotonic() - began
+    rendezvous_of_both()
+    second = time.monotonic() - began - first
+    for node in handlers:
+        node.shutdown()
+    return first, second
+
+
+def test_a_round_after_the_first_closes_once_every_live_node_joined(client: FakeEtcdClient) -> None:
+    first, second = _round_seconds(client, early_close=True)
+    assert first >= 2.0, "the job's first round waits its last call"
+    assert second < 1.0
+
+
+def test_without_early_close_a_round_waits_its_last_call(client: FakeEtcdClient) -> None:
+    """The control for the test above."""
+    assert _round_seconds(client, early_close=False)[1] >= 2.0

@@ -50,7 +50,7 @@ def test_mixed_schemes_are_rejected() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["ttl", "read_timeout", "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+    ["ttl", "read_timeout", "join_timeout", "close_timeout", "heartbeat_timeout",
      "keep_alive_interval", "keep_alive_max_attempt"],
 )
 @pytest.mark.parametrize("value", ["0", "-5", "1.5", "ten", True])
@@ -58,6 +58,30 @@ def test_non_positive_or_non_integer_values_are_named(key: str, value: object) -
     with pytest.raises(EtcdConfigError) as info:
         settings(**{key: value})
     assert "%s=%r must be a positive integer" % (key, value) in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "0.001", "1e-1", "ten", "", True])
+def test_a_last_call_that_is_no_usable_number_of_seconds_is_named(value: object) -> None:
+    with pytest.raises(EtcdConfigError) as info:
+        settings(last_call_timeout=value)
+    assert "last_call_timeout=%r must be a number of seconds, at least 0.01" % (value,) in str(info.value)
+
+
+@pytest.mark.parametrize(("value", "seconds"), [("0.2", 0.2), (" .5 ", 0.5), ("1", 1.0), (3, 3.0), ("0.01", 0.01)])
+def test_the_last_call_takes_fractions_of_a_second(value: object, seconds: float) -> None:
+    parsed = settings(last_call_timeout=value)
+    assert parsed.last_call_timeout == seconds
+    assert parsed.rendezvous_timeout().last_call.total_seconds() == seconds
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("true", True), ("FALSE", False), ("0", False), (False, False)])
+def test_early_close_is_on_unless_turned_off(value: object, expected: bool) -> None:
+    assert settings(**({} if value is None else {"early_close": value})).early_close is expected
+
+
+def test_early_close_that_is_no_boolean_is_named() -> None:
+    with pytest.raises(EtcdConfigError, match="early_close='sometimes' must be true or false"):
+        settings(early_close="sometimes")
 
 
 def test_integer_values_from_the_command_line_are_accepted() -> None:
