@@ -268,7 +268,7 @@ class Replicas:
         if self.rank == 0:
             verdict[0] = next((p for p in problems if p), None)
         self._broadcast_from_main(verdict)
-        where = local.path if local is not None else f"node of rank {source}"
+        where = local.path if local is not None else f"replica of step {step} on the node of rank {source}"
         if verdict[0] is not None:
             logger.warning("rank %d: not resuming from the replica of step %d (%s); restoring from storage",
                            self.rank, step, verdict[0])

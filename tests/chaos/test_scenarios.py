@@ -65,6 +65,55 @@ def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, 
     assert joined, "the replacement node never joined:\n" + text
 
 
+REPLICA_JOB = {
+    "script": "examples/train.py",
+    "args": ["--optim-warmup-steps", "5", "--global-batch-size", "256", "--model-hidden-dim", "512",
+             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60"],
+    "max_steps": 300,
+    "checkpoint_every": 100,
+}
+TWO_NODES = {"nodes": "2", "start_nodes": 2, "nproc_per_node": 1, "rdzv_backend": "etcd-v3", "etcd": "embedded"}
+
+
+def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a_peers_replica(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """Two nodes, checkpoints every 100 steps; node1 is killed (its memory with it) at step 50 and a new
+    node takes its place. Both ranks resume from node0's replica of the newest step: rank 0 from its own
+    node's memory, the new node's rank from node0 over the process group."""
+    scenario = parse_scenario({
+        "name": "replica-peer", "description": "a node killed between checkpoints, replaced at once", "timeout_s": 300,
+        "job": REPLICA_JOB, "cluster": TWO_NODES,
+        "faults": [{"kind": "kill-node", "at_step": 50, "target": "node:1"}, {"kind": "add-node", "after_s": 0}],
+    }, "replica-peer")
+    facts, checks, text = run(scenario, tmp_path, cache_dir)
+    assert not failures(checks), text
+    killed = next(record for record in facts.faults if record.kind == "kill-node")
+    resumes = {event.rank: event for event in facts.events if event.kind == "resumed" and event.time > killed.fired_at}
+    assert set(resumes) == {0, 1} and {event.source for event in resumes.values()} == {"replica"}, text
+    assert resumes[1].node == "node2" and resumes[1].path.startswith("replica of step"), text
+    assert all(event.step is not None and event.step < 100 for event in resumes.values()), "not a checkpoint"
+    last_before = max(step.step for step in facts.steps if step.time < killed.fired_at)
+    assert last_before - resumes[0].step <= 1, f"steps redone: {last_before - resumes[0].step}\n{text}"
+
+
+def test_when_every_node_holding_the_replicas_is_killed_the_job_falls_back_to_the_committed_checkpoint(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """Both nodes are killed at once (every replica is lost with them); two new nodes start: they resume
+    from the newest committed checkpoint, and nothing partial is loaded (the verifier's checks)."""
+    scenario = parse_scenario({
+        "name": "replicas-lost", "description": "both nodes killed at once, two new ones start", "timeout_s": 300,
+        "job": REPLICA_JOB, "cluster": TWO_NODES,
+        "faults": [{"kind": "kill-node", "at_step": 150, "target": "node:0"},
+                   {"kind": "kill-node", "at_step": 150, "target": "node:1"},
+                   {"kind": "add-node", "after_s": 0}, {"kind": "add-node", "after_s": 0}],
+    }, "replicas-lost")
+    facts, checks, text = run(scenario, tmp_path, cache_dir)
+    assert not failures(checks), text
+    killed = max(record.fired_at for record in facts.faults if record.kind == "kill-node")
+    resumes = [event for event in facts.events if event.kind == "resumed" and event.time > killed]
+    assert resumes and {(event.source, event.step) for event in resumes} == {("storage", 100)}, text
+
+
 def forgetful_scenario() -> Scenario:
     """One node, one worker killed at step 30: the restart resumes from step 20 with the data position lost.
 
@@ -75,7 +124,8 @@ def forgetful_scenario() -> Scenario:
         "name": "forgetful-resume",
         "description": "negative control: a job that does not restore its data position",
         "timeout_s": 180,
-        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5", "--no-checkpoint-async-save"], "max_steps": 80,
+        "job": {"script": FORGETFUL, "args": ["--optim-warmup-steps", "5", "--no-checkpoint-async-save",
+                                              "--checkpoint-replica-every", "0"], "max_steps": 80,
                 "checkpoint_every": 20},
         "cluster": {"nodes": "1", "start_nodes": 1, "rdzv_backend": "c10d", "etcd": "none"},
         "faults": [{"kind": "kill-worker", "at_step": 30, "target": "rank:0"}],
