@@ -163,10 +163,12 @@ class CheckpointConfig:
     async_save: bool = True
     """Save in the background: the step only copies state into reused CPU buffers; writing, hashing and
     the commit run while training continues (at most one save in flight; errors surface at the next step)."""
-    replica_every: int = 1
+    replica_every: int = 10
     """Keep a replica of the state every N steps in each node's memory (every node holds the whole state;
     a restart resumes from the newest replica that survived when it is newer than the newest commit, so
-    a killed worker or node costs no steps); 0: off. Needs --checkpoint-dir (the fallback)."""
+    a killed worker or node redoes fewer than N steps); 1: every step; 0: off. Needs --checkpoint-dir
+    (the fallback). Each costs the node's first worker a copy of the state and, in the background, a
+    write with SHA-256 (about 9 ms for 5 MB of state here)."""
     replica_dir: str = ""
     """Where each node keeps its replicas; empty: $ELASTIC_DDP_REPLICA_DIR, else /dev/shm/elastic_ddp-replicas-<uid>.
     Must be node-local (each node writes its own copy): never a shared file system."""

@@ -68,7 +68,7 @@ def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, 
 REPLICA_JOB = {
     "script": "examples/train.py",
     "args": ["--optim-warmup-steps", "5", "--global-batch-size", "256", "--model-hidden-dim", "512",
-             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60"],
+             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60", "--checkpoint-replica-every", "1"],
     "max_steps": 300,
     "checkpoint_every": 100,
 }
@@ -145,7 +145,7 @@ def test_a_job_that_forgets_its_data_position_fails_the_data_check_naming_the_st
     assert f"last matching checkpoint: step {resumed[0]}" in failed["data-digest"], text
 
 
-MIXED = ["spot-day", "bad-hour", "flapping-node"]
+MIXED = ["spot-day", "bad-hour", "flapping-node", "fault-a-minute"]
 SINGLE = ["kill-worker", "crash-worker", "kill-node", "preempt-node", "spot-notice", "hang-worker", "hang-node",
           "add-node", "remove-node", "restart-etcd", "kill-etcd-leader", "storage-outage", "slow-storage",
           "corrupt-checkpoint", "kill-during-save", "demo"]
