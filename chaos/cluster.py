@@ -53,7 +53,8 @@ class JobSpec:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     run_id: str = "chaos"
     max_restarts: int = 10
-    monitor_interval_s: float = 0.2
+    monitor_interval_s: float = 0.1
+    """torchrun's --monitor-interval (its default): how soon an agent sees a worker exit."""
     env: dict[str, str] = field(default_factory=dict)
     prefork: bool = True
     """Start workers through :mod:`elastic_ddp.prefork` (a per-node fork server that imported torch

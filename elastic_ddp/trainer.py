@@ -234,7 +234,7 @@ class Trainer:
             return None
         env = self.context.env
         return Replicas(
-            checkpoint.replica_dir or default_root(), run_id=env.run_id, rank=self.context.rank,
+            checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.context.rank,
             world_size=self.context.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
             token=self.checkpoints.token, every=checkpoint.replica_every, generation=env.restart_count,
             group=self.agreement_group, events=self.events,

@@ -33,6 +33,7 @@ keeps the exactly-once data contract of a storage resume.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -89,6 +90,10 @@ class Held:
 class Replicas:
     """This rank's part of the replicas of a run (see the module docstring).
 
+    ``generation``: torchrun's restart count of this rank's agent. When storage holds no committed
+    checkpoint, replicas are used only if some agent has restarted (this launch wrote them): a new
+    launch of the same run id over an emptied checkpoint location starts fresh.
+
     ``group``: a CPU (gloo) group used from the training thread only. ``node_rank`` and
     ``local_rank`` name this rank's node and its place on it (torchrun's ``GROUP_RANK`` and
     ``LOCAL_RANK``); the node's first worker writes. ``token``: the launch's writer token, the
@@ -100,6 +105,7 @@ class Replicas:
         root: str,
         *,
         run_id: str,
+        checkpoint_uri: str,
         rank: int,
         world_size: int,
         local_rank: int,
@@ -112,7 +118,9 @@ class Replicas:
     ) -> None:
         if every < 0:
             raise ValueError(f"every={every} must be >= 0")
-        self.root = os.path.join(os.path.abspath(root), _UNSAFE.sub("_", run_id) or "run")
+        # one directory per run id and checkpoint location: another job's replicas are never candidates
+        where = hashlib.sha256(checkpoint_uri.encode()).hexdigest()[:12]
+        self.root = os.path.join(os.path.abspath(root), f"{_UNSAFE.sub('_', run_id)}-{where}")
         self.own = os.path.join(self.root, f"node-{node_rank}")
         self.run_id = run_id
         self.rank = rank
@@ -249,10 +257,17 @@ class Replicas:
         """Every rank: load the newest replica at least as new as step ``newest_committed`` of storage
         (None: storage holds none); None when no node holds one or any rank could not verify it."""
         mine = {(held.manifest.step, held.manifest.token): held for held in self.held()}
-        reports = self._gather_to_main(sorted(mine))
+        reports = self._gather_to_main((sorted(mine), self.generation))
         choice: list[Any] = [None]
         if self.rank == 0:
-            choice[0] = _choose(reports, newest_committed)
+            restarted = any(generation > 0 for _, generation in reports)
+            if newest_committed is None and not restarted and any(held for held, _ in reports):
+                # A new launch (no agent has restarted) over storage without a checkpoint: replicas left by an
+                # earlier launch of this run id must not resurrect a run whose checkpoints were removed.
+                logger.warning("ignoring replicas left by an earlier launch under %s: storage holds no checkpoint",
+                               self.root)
+            else:
+                choice[0] = _choose([held for held, _ in reports], newest_committed)
         self._broadcast_from_main(choice)
         if choice[0] is None:
             return None

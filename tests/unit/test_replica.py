@@ -16,9 +16,9 @@ from elastic_ddp.state import model_digest
 from tests.unit.test_checkpoint_local import advance, make_state
 
 
-def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = None) -> Replicas:
-    return Replicas(str(root), run_id="unit", rank=0, world_size=1, local_rank=0, node_rank=0, token=manager.token,
-                    every=1, events=events)
+def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = None, generation: int = 1) -> Replicas:
+    return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=0, world_size=1, local_rank=0, node_rank=0,
+                    token=manager.token, every=1, events=events, generation=generation)
 
 
 def test_a_replica_newer_than_the_newest_commit_is_resumed(tmp_path: Path) -> None:
@@ -106,4 +106,27 @@ def test_each_node_keeps_its_two_newest_replicas_and_drops_them_when_done(tmp_pa
     manifest = json.loads((Path(node.held()[0].path) / MANIFEST_NAME).read_bytes())
     assert manifest["meta"]["step"] == 4 and manifest["world_size"] == 1
     node.discard()
-    assert not (tmp_path / "shm").joinpath("unit").exists()
+    assert not list((tmp_path / "shm").iterdir())
+
+
+def test_a_new_launch_over_an_empty_checkpoint_location_ignores_replicas_of_an_earlier_one(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = replicas(tmp_path / "shm", storage)
+    advance(state, 3)
+    node.save(state)
+    node.wait()
+    assert storage.restore(make_state(seed=1), allow_fresh_start=True,
+                           replicas=replicas(tmp_path / "shm", storage, generation=0)) is None
+    restored = storage.restore(make_state(seed=1), replicas=replicas(tmp_path / "shm", storage, generation=1))
+    assert restored is not None and (restored.step, restored.source) == (3, "replica")
+
+
+def test_replicas_of_another_checkpoint_location_are_not_candidates(tmp_path: Path) -> None:
+    state = make_state()
+    node = replicas(tmp_path / "shm", CheckpointManager(str(tmp_path / "a"), rank=0, world_size=1, run_id="unit"))
+    advance(state, 3)
+    node.save(state)
+    node.wait()
+    other = CheckpointManager(str(tmp_path / "b"), rank=0, world_size=1, run_id="unit")
+    assert other.restore(make_state(seed=1), allow_fresh_start=True, replicas=replicas(tmp_path / "shm", other)) is None
