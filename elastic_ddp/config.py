@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -478,7 +479,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@functools.cache
 def _own_field_docs(cls: type) -> dict[str, str]:
+    """Read from the class's source (parsing it costs ~80 ms for the runtime's sections): once per process,
+    and a prefork server reads them before it forks, so a warm worker does not."""
     try:
         tree = ast.parse(inspect.getsource(cls))
     except (OSError, TypeError, SyntaxError):  # no source (a class made at run time): flags without help

@@ -46,7 +46,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "elastic_ddp.entry")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing.errors",
+           "elastic_ddp.entry")
 """What the server imports before it forks anything."""
 PRELOAD_ENV = "ELASTIC_DDP_PREFORK_PRELOAD"
 """More modules for the server to import, comma-separated (the script's heavy dependencies)."""
@@ -265,6 +266,9 @@ def _preload() -> str:
             __import__(name)
         except Exception as exc:  # noqa: BLE001 - told to every launcher, which then runs without us
             return f"preloading {name} failed: {exc!r}"
+    from elastic_ddp.config import build_parser
+
+    build_parser()  # reads the runtime's field docs from source once, here, instead of in every worker
     return ""
 
 
