@@ -62,6 +62,11 @@ REQUIRED = (
         used_in=f"{_EXECUTOR}.run overrides it; {_HANDLER}.leave runs the exit operation with it",
     ),
     Private(
+        name="_DistributedRendezvousOpExecutor._remove_from_participants",
+        parameters=("self",),
+        used_in=f"{_EXECUTOR}._remove_from_participants overrides it (a re-joining node keeps its heartbeat)",
+    ),
+    Private(
         name="_DistributedRendezvousOpExecutor._record",
         parameters=("self", "message", "node_state"),
         used_in=f"{_EXECUTOR}._record overrides it (events named without inspect.stack())",

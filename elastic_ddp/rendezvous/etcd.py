@@ -287,6 +287,18 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
     """The state's backend, whose watch wakes a waiting node; without it, only the last call's end does."""
     early_close: bool = False
     """Whether a round after the first completes once every live node is a participant."""
+    leaving: bool = False
+    """Set by :meth:`EtcdRendezvousHandler.leave`: this node's exit operation is its last."""
+
+    def _remove_from_participants(self) -> None:
+        """See base class. torch's re-join runs an exit operation and then a join, and the exit drops the
+        node's heartbeat: between the two, another node re-joining first would see every live node in
+        the round and close it early without this one (which would then wait for a round of its own).
+        So a node that exits to re-join keeps its heartbeat (torch still drops it if the node dies);
+        only a node that leaves for good removes it."""
+        super()._remove_from_participants()
+        if not self.leaving:
+            self._state.last_heartbeats[self._node] = datetime.now(timezone.utc)
 
     def run(
         self,
@@ -431,6 +443,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return
         self._stop_heartbeats()
         self._check_in_at_exit_barrier(state.round, len(state.participants))
+        self._op_executor.leaving = True
         self._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_TIMEOUT_S)
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
 

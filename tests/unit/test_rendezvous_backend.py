@@ -498,3 +498,61 @@ def test_a_round_after_the_first_closes_once_every_live_node_joined(client: Fake
 def test_without_early_close_a_round_waits_its_last_call(client: FakeEtcdClient) -> None:
     """The control for the test above."""
     assert _round_seconds(client, early_close=False)[1] >= 2.0
+
+
+def test_a_node_between_its_exit_and_its_join_is_not_left_out_of_an_early_close(client: FakeEtcdClient) -> None:
+    """torch's re-join runs an exit operation (which drops the node's heartbeat) and then a join. A node
+    that re-joins first must not close the next round early while the other is between the two: both
+    end up in one round of two."""
+    leases = LeaseKeeper(client, TTL, clock=client.clock)
+    timeout = RendezvousTimeout(join=timedelta(seconds=8), last_call=timedelta(seconds=3))
+
+    def handler() -> EtcdRendezvousHandler:
+        store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
+        backend = EtcdRendezvousBackend(client, KEY, leases)
+        node = EtcdRendezvousHandler.from_backend("job", store, backend, 1, 3, "127.0.0.1", timeout)
+        node.attach(store, backend, early_close=True)
+        return node
+
+    a, b = handler(), handler()
+    sizes: dict[str, int] = {}
+
+    def join(name: str, node: EtcdRendezvousHandler) -> None:
+        sizes[name] = node.next_rendezvous().world_size
+
+    for name, node in (("a", a), ("b", b)):
+        threading.Thread(target=join, args=(name, node)).start()
+    deadline = time.monotonic() + 20
+    while len(sizes) < 2:
+        assert time.monotonic() < deadline, "the first round did not complete"
+        time.sleep(0.01)
+    assert sizes == {"a": 2, "b": 2}
+    b_exited = threading.Event()
+    run = b._op_executor.run
+    reader = EtcdRendezvousBackend(client, KEY, leases)
+
+    def a_joined_the_next_round() -> bool:
+        current = reader.get_state()
+        state = pickle.loads(current[0]) if current else None
+        return state is not None and state.round > 0 and any(node.pid == os.getpid() for node in state.participants)
+
+    def slow_rejoin(state_handler, deadline, update_deadline=None):  # type: ignore[no-untyped-def]
+        run(state_handler, deadline, update_deadline)
+        if not b_exited.is_set():  # b's exit operation is done: a re-joins now, before b's join
+            b_exited.set()
+            threading.Thread(target=join, args=("a", a)).start()
+            until = time.monotonic() + 10
+            while not a_joined_the_next_round() and time.monotonic() < until:
+                time.sleep(0.01)
+            time.sleep(0.3)  # the scenario's gap between b's exit and its join (a would close the round in it)
+
+    b._op_executor.run = slow_rejoin  # type: ignore[method-assign]
+    sizes.clear()
+    b_thread = threading.Thread(target=join, args=("b", b))
+    b_thread.start()
+    deadline = time.monotonic() + 30
+    while len(sizes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for node in (a, b):
+        node.shutdown()
+    assert sizes == {"a": 2, "b": 2}, sizes
