@@ -168,7 +168,7 @@ class Stager:
                 buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         if any(t.is_cuda for t in flat.tensors):
             torch.cuda.synchronize()
-        return Flat(flat.tree, buffers), pending
+        return Flat(flat.tree, buffers, flat.names), pending
 
 
 class CheckpointManager:
