@@ -160,7 +160,8 @@ class Trainer:
         self.async_checkpoints = (
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
         )
-        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
+        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main, tensorboard=config.log.tensorboard,
+                                     events=self.events)
         self._start_resilience()
         self._restore_or_start_fresh()
         self.events.set_step(self.state.counters.step)
