@@ -58,8 +58,9 @@ def flat_tensors(obj: Any, what: str, where: str, instead: str) -> dict[str, tor
     output) when it is not one."""
     if isinstance(obj, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         return obj
+    label = "replicated" if what == "all" else what
     raise ExportError(
-        f"{where}: the {what} state is not a flat map of named tensors (it holds nested dicts, integer keys or "
+        f"{where}: the {label} state is not a flat map of named tensors (it holds nested dicts, integer keys or "
         f"non-tensor values), which a .safetensors file cannot hold; export it with --to {instead} "
         "(loads with torch.load(path, weights_only=True))"
     )
