@@ -112,8 +112,9 @@ def step_stall(step: Callable[[], None], save: Callable[[], float], waited: Call
 
 
 def rotated_times(contenders: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
-                  rounds: int) -> dict[str, list[float]]:
-    """Seconds of each contender in each of ``rounds`` rounds, the order rotated by one each round.
+                  rounds: int, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Seconds of each contender in each of ``rounds`` rounds, the order rotated by one each round
+    (and the process's CPU seconds of each run into ``cpu``, when given).
 
     A large fsynced write slows the one that follows it on this virtio disk (the host is still
     writing back: a plain write takes 1.5 s first and 3 s right after another), so every
@@ -130,9 +131,11 @@ def rotated_times(contenders: dict[str, tuple[Callable[[], object], Callable[[],
             run, setup = contenders[name]
             if setup:
                 setup()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             result = run()
             times[name].append(time.perf_counter() - started)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - cpu_started)
             del result  # freeing what a reader returned is not part of its time
     return times
 
@@ -299,14 +302,21 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
         "safetensors-mmap": (lambda: load_file(safetensors_file), None),
         "ours": (lambda: manager.restore(target_state), forget_restored_state),
     }
-    times = rotated_times(readers, max(args.repeats, len(readers)))
+    cpu: dict[str, list[float]] = {}
+    times = rotated_times(readers, max(args.repeats, len(readers)), cpu)
     t = {name: statistics.median(values) for name, values in times.items()}
-    row("torch.load(weights_only=True)", t["torch"], nbytes, spread(times["torch"]))
+
+    def cpu_note(name: str) -> str:
+        return f"CPU {statistics.median(cpu[name]):.3f} s"
+
+    row("torch.load(weights_only=True)", t["torch"], nbytes, f"{spread(times['torch'])}; {cpu_note('torch')}")
     row("safetensors load_file(backend='pread')", t["safetensors"], nbytes,
-        f"{ratio_spread(times['safetensors'], times['torch'])} torch.load; {spread(times['safetensors'])}")
+        f"{ratio_spread(times['safetensors'], times['torch'])} torch.load; {spread(times['safetensors'])}; "
+        f"{cpu_note('safetensors')}")
     row("safetensors load_file (mmap: reads on first use)", t["safetensors-mmap"], nbytes, spread(times["safetensors-mmap"]))
     row("elastic_ddp restore (verify sha256 + load)", t["ours"], nbytes,
-        f"{ratio_spread(times['ours'], times['torch'])} torch.load; {spread(times['ours'])}")
+        f"{ratio_spread(times['ours'], times['torch'])} torch.load; {spread(times['ours'])}; {cpu_note('ours')}")
+    print("  (CPU: seconds of CPU time of the process, all threads; restore hashes on a second thread while it reads)")
 
 
 def free_port() -> int:
