@@ -187,6 +187,8 @@ def test_any_flipped_header_byte_is_either_read_or_refused_as_corrupt() -> None:
 
 
 def test_a_checkpoint_of_the_earlier_layout_still_restores(tmp_path: Path) -> None:
+    """tests/fixtures/legacy_checkpoint was saved by elastic_ddp's previous format.py (EDDPTNS1 files) from
+    ``make_state()`` after ``advance(state, 2)``, with writer token 0123456789ab."""
     from elastic_ddp.checkpoint import CheckpointManager
     from elastic_ddp.state import model_digest
     from tests.unit.test_checkpoint_local import make_state
