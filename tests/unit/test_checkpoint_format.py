@@ -213,3 +213,22 @@ def test_unflatten_inverts_flatten_in_memory() -> None:
     flat = flatten(tree)
     assert flat.names == ["a.0", "a.1.1.b"]
     assert_same(unflatten(flat.tree, flat.tensors), tree)
+
+
+def test_a_flat_built_without_names_names_its_tensors_by_index(tmp_path: Path) -> None:
+    from elastic_ddp.checkpoint.format import Flat
+
+    tree = ["l", [["T", 0], ["T", 1]]]
+    path = tmp_path / "f.eddp"
+    path.write_bytes(b"".join(bytes(c) for c in encode_chunks(Flat(tree, [torch.ones(2), torch.zeros(3)]))))
+    assert set(load_file(str(path))) == {"0", "1"}
+    assert_same(decode(path.read_bytes(), "f"), [torch.ones(2), torch.zeros(3)])
+
+
+def test_a_file_written_without_elastic_ddp_metadata_is_a_plain_safetensors_file(tmp_path: Path) -> None:
+    tensors = {"fc.weight": torch.randn(3, 2), "fc.bias": torch.zeros(3)}
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"".join(bytes(c) for c in encode_chunks(flatten(tensors), metadata={})))
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    assert_same(dict(sorted(load_file(str(path)).items())), dict(sorted(tensors.items())))
