@@ -48,7 +48,7 @@ def select(replicated: Any, what: str, where: str) -> Any:
     if part is None:
         if what == "optimizer" and isinstance(replicated, dict) and "optimizer_groups" in replicated:
             raise ExportError(f"{where}: the optimizer state is sharded over the rank files (ZeroRedundancyOptimizer); "
-                              "only the model and the param groups are in the replicated file")
+                              "the replicated file holds only the model (--what model) and the param groups (--what all)")
         raise ExportError(f"{where}: the checkpoint holds no {what} state")
     return part
 

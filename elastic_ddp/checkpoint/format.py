@@ -221,6 +221,7 @@ def decode(data: bytes | bytearray | memoryview, where: str) -> Any:
             return _decode_legacy(buffer)
         return _decode(buffer)
     except (ValueError, KeyError, TypeError, IndexError, struct.error, UnicodeDecodeError, RuntimeError) as exc:
+        # RecursionError (a RuntimeError): JSON or a tree nested deeper than Python recurses
         raise CheckpointCorruptError(f"{where}: not a valid elastic_ddp tensor file ({exc})") from exc
 
 

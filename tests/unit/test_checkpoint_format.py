@@ -172,6 +172,15 @@ def test_a_damaged_field_is_a_corrupt_error_naming_the_file(damage, message) -> 
         decode(_edit(damage), "step-7/x.eddp")
 
 
+def test_a_tree_nested_deeper_than_python_recurses_is_refused_as_corrupt() -> None:
+    deep_json = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser recurses
+    deep_tree = '["l",[' * 5_000 + '["l",[]]' + "]]" * 5_000  # parses, deeper than the tree check recurses
+    for tree in (deep_json, deep_tree):
+        metadata = '{"version": 1, "tensors": [], "tree": %s}' % tree
+        with pytest.raises(CheckpointCorruptError, match="^deep: not a valid"):
+            decode(_with_header({"__metadata__": {"elastic_ddp": metadata}}, b""), "deep")
+
+
 def test_any_flipped_header_byte_is_either_read_or_refused_as_corrupt() -> None:
     data = encoded({"model": {"w": torch.ones(2, 3)}, "rng": (1, 2.5, None)})
     header_end = 8 + struct.unpack_from("<Q", data)[0]
