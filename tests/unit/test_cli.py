@@ -194,3 +194,11 @@ def test_export_progress_is_shown_in_steps_for_large_files_only() -> None:
     small = io.StringIO()
     Progress("writing y.pt", PROGRESS_MIN_BYTES - 1, small).advance(PROGRESS_MIN_BYTES - 1)
     assert small.getvalue() == ""
+
+
+def test_export_of_a_sharded_optimizer_says_what_the_replicated_file_holds() -> None:
+    from elastic_ddp.checkpoint.export import ExportError, select
+
+    with pytest.raises(ExportError, match=r"sharded over the rank files.*--what model.*--what all"):
+        select({"model": {}, "optimizer_groups": [{"lr": 0.1}]}, "optimizer", "ckpt/step-00000010")
+    assert select({"model": {}, "optimizer_groups": []}, "all", "w") == {"model": {}, "optimizer_groups": []}
