@@ -179,7 +179,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         total = sum(t.numel() * t.element_size() for t in flatten(part).tensors)
         written = export.write_torch(args.to, part, export.Progress(f"writing {args.to}", total))
-    print(f"exported the {args.what} state of {info.path} (step {info.step}) to {args.to} ({written / 1e6:.1f} MB)")
+    part_name = {"model": "the model's state_dict", "optimizer": "the optimizer's state_dict", "all": "the replicated state"}
+    print(f"exported {part_name[args.what]} of {info.path} (step {info.step}) to {args.to} ({written / 1e6:.1f} MB)")
     return 0
 
 

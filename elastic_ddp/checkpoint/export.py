@@ -9,7 +9,6 @@ to a temporary name, synced and renamed: it appears whole or not at all.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -135,8 +134,8 @@ class Progress:
         self.total = total
         self.done = 0
         self.stream = stream or sys.stderr
-        self.shown = total < PROGRESS_MIN_BYTES
-        self._next = 0.0
+        self.quiet = total < PROGRESS_MIN_BYTES
+        self._tenths = -1  # the last tenth of the total shown
         self._started = time.monotonic()
 
     def track(self, chunks: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
@@ -146,13 +145,13 @@ class Progress:
 
     def advance(self, count: int) -> None:
         self.done += count
-        if self.shown or self.done < self._next * self.total:
+        tenths = min(10 * self.done // self.total, 10) if self.total else 10
+        if self.quiet or tenths <= self._tenths:
             return
-        fraction = min(self.done / self.total, 1.0)
+        self._tenths = tenths
+        percent = min(100 * self.done // self.total, 100)
         terminal = self.stream.isatty()
-        line = (f"{self.label}: {fraction:4.0%} ({self.done / 1e6:.0f} of {self.total / 1e6:.0f} MB, "
+        line = (f"{self.label}: {percent:3d}% ({self.done / 1e6:.0f} of {self.total / 1e6:.0f} MB, "
                 f"{time.monotonic() - self._started:.1f} s)")
-        end = "\n" if fraction >= 1.0 or not terminal else ""
+        end = "\n" if tenths == 10 or not terminal else ""
         print(("\r" if terminal else "") + line, end=end, file=self.stream, flush=True)
-        self._next = (math.floor(fraction * 10) + 1) / 10
-        self.shown = fraction >= 1.0

@@ -191,6 +191,13 @@ def test_export_progress_is_shown_in_steps_for_large_files_only() -> None:
     lines = stream.getvalue().splitlines()
     assert [int(line.split()[2].rstrip("%")) // 10 for line in lines] == list(range(11))  # one line per tenth
     assert lines[-1].startswith("writing x.pt: 100%")
+    progress.advance(12345)  # torch.save writes a little more than the tensors' bytes: no second 100% line
+    assert stream.getvalue().splitlines() == lines
+    edge = io.StringIO()
+    at_half = Progress("writing z.pt", 2 * PROGRESS_MIN_BYTES, edge)
+    for count in (PROGRESS_MIN_BYTES - 1, 1, 1):  # just under, at and past one half: one line for that tenth
+        at_half.advance(count)
+    assert [line.split()[2] for line in edge.getvalue().splitlines()] == ["49%", "50%"]
     small = io.StringIO()
     Progress("writing y.pt", PROGRESS_MIN_BYTES - 1, small).advance(PROGRESS_MIN_BYTES - 1)
     assert small.getvalue() == ""
