@@ -16,11 +16,15 @@ with the peers interleaved:
                                    step as DCP asks), next to the copy_ / clone floors of a
                                    blocking copy
   sync save to local disk          ours (checksums included) vs f.write+fsync of the same
-                                   bytes vs torch.save+fsync vs DCP save, each into new files
+                                   bytes vs torch.save+fsync vs safetensors save_file+fsync vs
+                                   DCP save, each into new files
                                    (what is replaced or deleted is removed before the timing),
                                    in rotating order (max(repeats, 4) rounds); our retention
                                    runs behind the save, so the timing leaves it out
-  restore                          ours (verify checksums + load) vs torch.load(weights_only)
+  restore                          ours (verify checksums + load into the model and optimizer) vs
+                                   torch.load(weights_only) vs safetensors load_file, in rotating
+                                   order; the ratio of the medians and the range of the per-round
+                                   ratios
   S3 save                          ours vs s3fs pipe_file of the same bytes, same endpoint
 """
 
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
@@ -107,8 +112,9 @@ def step_stall(step: Callable[[], None], save: Callable[[], float], waited: Call
 
 
 def rotated_times(contenders: dict[str, tuple[Callable[[], object], Callable[[], object] | None]],
-                  rounds: int) -> dict[str, float]:
-    """Median seconds of each contender over ``rounds`` rounds, the order rotated by one each round.
+                  rounds: int, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Seconds of each contender in each of ``rounds`` rounds, the order rotated by one each round
+    (and the process's CPU seconds of each run into ``cpu``, when given).
 
     A large fsynced write slows the one that follows it on this virtio disk (the host is still
     writing back: a plain write takes 1.5 s first and 3 s right after another), so every
@@ -125,10 +131,23 @@ def rotated_times(contenders: dict[str, tuple[Callable[[], object], Callable[[],
             run, setup = contenders[name]
             if setup:
                 setup()
-            started = time.perf_counter()
-            run()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            result = run()
             times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in times.items()}
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - cpu_started)
+            del result  # freeing what a reader returned is not part of its time
+    return times
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f} s"
+
+
+def ratio_spread(ours: list[float], peer: list[float]) -> str:
+    """The ratio of the medians, and the range of the per-round ratios (same round, adjacent runs)."""
+    ratios = [a / b for a, b in zip(ours, peer)]
+    return f"{statistics.median(ours) / statistics.median(peer):.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def fsync_write(path: str, chunks) -> None:
@@ -246,26 +265,58 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     def remove(path: str) -> Callable[[], None]:
         return lambda: shutil.rmtree(path) if os.path.isdir(path) else os.path.exists(path) and os.remove(path)
 
+    safetensors_file = str(work / "plain.safetensors")
+    named = dict(zip(flat.names, flat.tensors))
+
+    def safetensors_save() -> None:
+        save_file(named, safetensors_file)
+        with open(safetensors_file, "rb") as handle:  # save_file does not sync: the same durability as the others
+            os.fsync(handle.fileno())
+
     contenders = {
         "plain": (lambda: fsync_write(plain_file, encode_chunks(flat)), remove(plain_file)),
         "ours": (saving(keep_all), lambda: [shutil.rmtree(info.path) for info in keep_all.list()]),
         "torch": (torch_save, remove(torch_file)),
+        "safetensors": (safetensors_save, remove(safetensors_file)),
         "dcp": (lambda: dcp.save(sd, checkpoint_id=str(work / "dcp-sync"), no_dist=True), remove(str(work / "dcp-sync"))),
     }
     times = rotated_times(contenders, max(args.repeats, len(contenders)))
-    t_plain, t_ours = times["plain"], times["ours"]
-    row("plain f.write + fsync of the same bytes", t_plain, nbytes)
-    row("elastic_ddp save (sha256 + manifest commit)", t_ours, nbytes, f"{t_plain / t_ours:.2f}x plain")
-    row("torch.save + fsync", times["torch"], nbytes)
-    row("DCP save (sync)", times["dcp"], nbytes)
+    t = {name: statistics.median(values) for name, values in times.items()}
+    row("plain f.write + fsync of the same bytes", t["plain"], nbytes, spread(times["plain"]))
+    row("elastic_ddp save (sha256 + manifest commit)", t["ours"], nbytes,
+        f"{t['plain'] / t['ours']:.2f}x plain speed; {spread(times['ours'])}")
+    row("torch.save + fsync", t["torch"], nbytes, spread(times["torch"]))
+    row("safetensors save_file + fsync", t["safetensors"], nbytes, spread(times["safetensors"]))
+    row("DCP save (sync)", t["dcp"], nbytes, spread(times["dcp"]))
     shutil.rmtree(work / "ours-keep-all", ignore_errors=True)
 
-    print("\nrestore, page cache warm for both (target <= 1.3x torch.load):")
-    t_load = median_time(lambda: torch.load(torch_file, weights_only=True), args.repeats)
-    row("torch.load(weights_only=True)", t_load, nbytes)
+    print("\nrestore, page cache warm for all, in rotating order (target <= 1.2x torch.load):")
     target_state = make_state(4096, 4)
-    t_restore = median_time(lambda: manager.restore(target_state), args.repeats)
-    row("elastic_ddp restore (verify sha256 + load)", t_restore, nbytes, f"{t_restore / t_load:.2f}x torch.load")
+
+    def forget_restored_state() -> None:  # a restoring job starts with no optimizer state (untimed)
+        target_state.optimizer.state.clear()
+
+    readers = {
+        "torch": (lambda: torch.load(torch_file, weights_only=True), None),
+        "safetensors": (lambda: load_file(safetensors_file, backend="pread"), None),
+        "safetensors-mmap": (lambda: load_file(safetensors_file), None),
+        "ours": (lambda: manager.restore(target_state), forget_restored_state),
+    }
+    cpu: dict[str, list[float]] = {}
+    times = rotated_times(readers, max(args.repeats, len(readers)), cpu)
+    t = {name: statistics.median(values) for name, values in times.items()}
+
+    def cpu_note(name: str) -> str:
+        return f"CPU {statistics.median(cpu[name]):.3f} s"
+
+    row("torch.load(weights_only=True)", t["torch"], nbytes, f"{spread(times['torch'])}; {cpu_note('torch')}")
+    row("safetensors load_file(backend='pread')", t["safetensors"], nbytes,
+        f"{ratio_spread(times['safetensors'], times['torch'])} torch.load; {spread(times['safetensors'])}; "
+        f"{cpu_note('safetensors')}")
+    row("safetensors load_file (mmap: reads on first use)", t["safetensors-mmap"], nbytes, spread(times["safetensors-mmap"]))
+    row("elastic_ddp restore (verify sha256 + load)", t["ours"], nbytes,
+        f"{ratio_spread(times['ours'], times['torch'])} torch.load; {spread(times['ours'])}; {cpu_note('ours')}")
+    print("  (CPU: seconds of CPU time of the process, all threads; restore hashes on a second thread while it reads)")
 
 
 def free_port() -> int:

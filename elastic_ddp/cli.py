@@ -3,6 +3,9 @@
   elastic-ddp ckpt ls URI                  every step directory: step, time, size, world size, valid?
   elastic-ddp ckpt inspect URI [--json]    the newest valid checkpoint (or URI/step-N): position and digests
   elastic-ddp ckpt verify URI [--step N]   re-hash every file; non-zero exit naming the first bad file
+  elastic-ddp ckpt export URI [--step N] --to model.safetensors|model.pt [--what model|optimizer|all]
+                                           the newest committed checkpoint's (or step N's) model as a
+                                           plain state_dict file, verified before it is written
   elastic-ddp ckpt rm URI --step N [--dry-run]          delete one step directory
   elastic-ddp ckpt gc URI [--keep K] [--dry-run]        apply retention: keep the newest K committed,
                                                         remove stale unfinished writes
@@ -27,11 +30,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager
+from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager, export
+from elastic_ddp.checkpoint.format import flatten
 from elastic_ddp.checkpoint.manager import deserialize
 from elastic_ddp.checkpoint.manifest import parse_step_dir
 from elastic_ddp.checkpoint.storage import basename
-from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError
+from elastic_ddp.errors import CheckpointCorruptError, CheckpointError, ConfigError, ElasticDDPError
 from elastic_ddp.state import model_digest
 
 
@@ -154,6 +158,50 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    suffix = export.check_target(args.to)
+    root, step = _split_uri(args.uri)
+    step = args.step if args.step is not None else step
+    manager = _manager(root, args.options)
+    info = _committed(manager, step)
+    manifest = info.manifest
+    assert manifest is not None
+    name = manifest.replicated_file
+    size = manifest.files[name].size
+    if size >= export.PROGRESS_MIN_BYTES:
+        print(f"reading and verifying {manager.storage.join(info.path, name)} ({size / 1e6:.0f} MB)", file=sys.stderr)
+    replicated = deserialize(manager.read_verified(info, name), info.path)
+    part = export.select(replicated, args.what, info.path)
+    if suffix == ".safetensors":
+        tensors = export.flat_tensors(part, args.what, info.path, instead=args.to.removesuffix(suffix) + ".pt")
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        written = export.write_safetensors(args.to, tensors, export.Progress(f"writing {args.to}", total))
+    else:
+        total = sum(t.numel() * t.element_size() for t in flatten(part).tensors)
+        written = export.write_torch(args.to, part, export.Progress(f"writing {args.to}", total))
+    part_name = {"model": "the model's state_dict", "optimizer": "the optimizer's state_dict", "all": "the replicated state"}
+    print(f"exported {part_name[args.what]} of {info.path} (step {info.step}) to {args.to} ({written / 1e6:.1f} MB)")
+    return 0
+
+
+def _committed(manager: CheckpointManager, step: int | None) -> CheckpointInfo:
+    """Step ``step``'s checkpoint, or the newest committed one; CheckpointError saying which steps there are."""
+    infos = manager.list()
+    if step is None:
+        info = next((info for info in infos if info.committed), None)
+        if info is None:
+            _require_root(manager)
+            raise CheckpointError(f"no committed checkpoint under {manager.uri}")
+        return info
+    info = next((info for info in infos if info.step == step), None)
+    if info is None or not info.manifest_present:
+        committed = ", ".join(str(info.step) for info in infos if info.committed) or "none"
+        raise CheckpointError(f"no committed checkpoint of step {step} under {manager.uri} (committed steps: {committed})")
+    if info.manifest is None:
+        raise CheckpointCorruptError(f"{info.path}: {info.problem}")
+    return info
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     root, step = _split_uri(args.uri)
     step = args.step if args.step is not None else step
@@ -217,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("uri", help="checkpoint root or a step-N directory")
     verify.add_argument("--step", type=int, help="verify only this step (default: every committed one)")
     verify.set_defaults(func=cmd_verify)
+    export_ = ckpt_commands.add_parser(
+        "export", help="write a checkpoint's model (or optimizer, or all) as a plain .safetensors or .pt file")
+    export_.add_argument("uri", help="checkpoint root (newest committed is exported) or a step-N directory")
+    export_.add_argument("--step", type=int, help="export this step (default: the newest committed)")
+    export_.add_argument("--to", required=True, metavar="FILE",
+                         help="output: FILE.safetensors (safetensors.torch.load_file) or FILE.pt (torch.load(weights_only=True))")
+    export_.add_argument("--what", choices=export.PARTS, default="model",
+                         help="model (default): the model's state_dict; optimizer: its state_dict; all: the replicated state")
+    export_.set_defaults(func=cmd_export)
     rm = ckpt_commands.add_parser("rm", help="delete one step directory")
     rm.add_argument("uri", help="checkpoint root or a step-N directory")
     rm.add_argument("--step", type=int, help="the step to delete")

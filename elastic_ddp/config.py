@@ -38,6 +38,7 @@ import ast
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import inspect
 import json
 import math
@@ -285,6 +286,9 @@ class LogConfig:
     """Also write every rank's log to <log-dir>/rank-<N>.log."""
     progress: Literal["auto", "on", "off"] = "auto"
     """Rank-0 progress bar on stderr; auto: only when stderr is a terminal."""
+    tensorboard: bool = False
+    """Rank 0 also writes metrics.jsonl's scalars, and a marker at each resume and fresh start, as TensorBoard
+    events under <log-dir>/tensorboard. Needs --log-dir and the tensorboard package (pip install 'elastic-ddp[tensorboard]')."""
 
     def problems(self) -> Problems:
         found: Problems = []
@@ -292,6 +296,10 @@ class LogConfig:
             found.append(("every", "must be >= 1"))
         if self.per_rank_files and not self.dir:
             found.append(("per_rank_files", "needs --log-dir"))
+        if self.tensorboard and not self.dir:
+            found.append(("tensorboard", "needs --log-dir"))
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            found.append(("tensorboard", "the tensorboard package is not installed: pip install 'elastic-ddp[tensorboard]'"))
         if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):
             found.append(("dir", f"{self.dir} exists and is not a directory"))
         return found

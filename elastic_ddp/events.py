@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from elastic_ddp.prefork import agent_pid
@@ -104,6 +104,7 @@ class EventLog:
         """The step most recent records are about (set by the training loop); ``emit(step=...)`` overrides it."""
         self._fd: int | None = None
         self._failed = False
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._identity: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
         if "TORCHELASTIC_RUN_ID" in os.environ:
             self._identity["agent_pid"] = agent_pid()
@@ -123,6 +124,14 @@ class EventLog:
     def set_step(self, step: int | None) -> None:
         self.step = step
 
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener`` with every record this process emits from now on (e.g. the TensorBoard writer's
+        markers), on the emitting thread; records reach listeners even when no file is written."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.remove(listener)
+
     def emit(self, kind: Event | str, **fields: Any) -> None:
         """Append one event; ``kind`` must be an :class:`Event` and ``fields`` hold at least its :data:`FIELDS`.
 
@@ -132,14 +141,17 @@ class EventLog:
         missing = [name for name in FIELDS[event] if name not in fields]
         if missing:
             raise ValueError(f"event {event.value!r} needs {', '.join(missing)}")
-        if self._fd is None:
+        if self._fd is None and not self._listeners:
             return
         record: dict[str, Any] = {"time": time.time(), "event": event.value, "run_id": self.run_id, "rank": self.rank}
         if "step" not in fields and self.step is not None:
             record["step"] = self.step
         record.update((name, _bounded(value)) for name, value in fields.items())
         record.update(self._identity)
-        self._write((json.dumps(record, default=str) + "\n").encode())
+        for listener in self._listeners:
+            listener(record)
+        if self._fd is not None:
+            self._write((json.dumps(record, default=str) + "\n").encode())
 
     def _write(self, line: bytes) -> None:
         assert self._fd is not None

@@ -162,7 +162,8 @@ class Trainer:
             AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
         )
         self.replicas = self._make_replicas()
-        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main)
+        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main, tensorboard=config.log.tensorboard,
+                                     events=self.events)
         self._start_resilience()
         self._restore_or_start_fresh()
         self.events.set_step(self.state.counters.step)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install elastic_ddp with its test and chaos extras.
+# Create .venv and install elastic_ddp with its test, chaos and tensorboard extras.
 # torch==2.13.0 is installed first, on its own, so that pip takes the CPU build from the local
 # wheel directory instead of resolving pyproject.toml's `torch>=2.13,<2.14` to a multi-GB CUDA build.
 set -euo pipefail
@@ -10,9 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==${ELASTIC_DDP_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install --quiet -e ".[test,chaos]"
+.venv/bin/python -m pip install --quiet -e ".[test,chaos,tensorboard]"
 .venv/bin/python - <<'PY'
-import torch, fsspec, pyetcd  # noqa: F401  - fail here, not in the first test, if an install is broken
+import torch, fsspec, pyetcd, safetensors, tensorboard  # noqa: F401  - fail here, not in the first test, if an install is broken
 import elastic_ddp
 print(f"elastic_ddp {elastic_ddp.__version__} ready: torch {torch.__version__}, python {__import__('sys').version.split()[0]}")
 PY

@@ -109,6 +109,42 @@ def inspect(uri: str) -> dict[str, Any]:
     return json.loads(result.output)
 
 
+def export_model(uri: str, model: torch.nn.Module, to: Path, *extra: str) -> str:
+    """``elastic-ddp ckpt export`` of the newest committed checkpoint's model to ``to`` (.safetensors or .pt),
+    loaded strictly into ``model`` (freshly built) as a user would; the model_digest of what it loaded."""
+    from elastic_ddp.state import model_digest
+
+    result = run([sys.executable, "-m", "elastic_ddp.cli", "ckpt", "export", uri, "--to", str(to), *extra], timeout=60)
+    assert result.returncode == 0, result.output
+    if to.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(to)))
+    else:
+        model.load_state_dict(torch.load(to, weights_only=True))
+    return model_digest(model.state_dict())
+
+
+def assert_opens_with_safetensors(ckpt: str | Path) -> None:
+    """Every data file of the newest committed checkpoint under a local root opens with ``safetensors.safe_open``,
+    and the replicated file names the model's tensors ``model.<parameter name>``."""
+    from safetensors import safe_open
+
+    from elastic_ddp.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(ckpt), rank=0, world_size=1, run_id="test")
+    newest = next(info for info in manager.list() if info.committed)
+    assert newest.manifest is not None
+    for name in newest.manifest.files:
+        with safe_open(str(Path(newest.path) / name), framework="pt") as handle:
+            names = list(handle.keys())
+            for tensor_name in names:
+                handle.get_tensor(tensor_name)
+        if name == newest.manifest.replicated_file:
+            model = load_model_state(str(ckpt))
+            assert {f"model.{key}" for key in model} <= set(names)
+
+
 def load_model_state(uri: str) -> dict[str, torch.Tensor]:
     from elastic_ddp.checkpoint import CheckpointManager
     from elastic_ddp.checkpoint.manager import deserialize
@@ -121,6 +157,17 @@ def load_model_state(uri: str) -> dict[str, torch.Tensor]:
 def metrics(log_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]
+
+
+def tensorboard_scalars(log_dir: str | Path, tag: str) -> dict[int, float]:
+    """``{step: value}`` of one scalar in the run's TensorBoard directory, read with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from elastic_ddp.metrics import TENSORBOARD_DIR
+
+    accumulator = EventAccumulator(os.path.join(log_dir, TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars(tag)}
 
 
 def events(log_dir: str | Path, kind: str = "") -> list[dict[str, Any]]:

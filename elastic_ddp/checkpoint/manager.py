@@ -24,6 +24,7 @@ checkpoints that failed verification are un-committed (their manifest is set asi
 from __future__ import annotations
 
 import builtins
+import concurrent.futures
 import logging
 import secrets
 import threading
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LATEST_HINT = "latest"
+VERIFY_THREADS = 2
+"""Files of other ranks that rank 0 verifies at once while it reads its own (each is held in memory while it is hashed)."""
 LEFTOVER_GRACE_S = 600.0
 """A step directory without a manifest is removed only when it is older than the newest commit
 and has not been touched for this long: a live writer (another incarnation) may still be filling it."""
@@ -173,7 +176,7 @@ class Stager:
                 buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         if any(t.is_cuda for t in flat.tensors):
             torch.cuda.synchronize()
-        return Flat(flat.tree, buffers), pending
+        return Flat(flat.tree, buffers, flat.names), pending
 
 
 class CheckpointManager:
@@ -502,10 +505,7 @@ class CheckpointManager:
             if not info.manifest_present:
                 continue  # an unfinished write: never a candidate, not a defect
             try:
-                data = self.verify(info)
-                assert info.manifest is not None
-                mine = (info.manifest.replicated_file, info.manifest.rank_file(0))
-                decoded = {name: deserialize(data[name], info.path) for name in mine if name in data}
+                decoded = self._verify_reading_own(info)
             except CheckpointError as exc:
                 logger.warning("skipping checkpoint %s: %s", info.path, exc)
                 self.events.emit(Event.CHECKPOINT_SKIPPED, step=info.step, path=info.path, reason=str(exc))
@@ -520,6 +520,26 @@ class CheckpointManager:
             for bad, reason in rejected:
                 self._uncommit(bad, reason)
         return [None, "; ".join(reason for _, reason in rejected) or None], {}
+
+    def _verify_reading_own(self, info: CheckpointInfo) -> dict[str, Any]:
+        """Verify every file of a checkpoint; rank 0's own files (replicated, rank 0) are read once, verified
+        and decoded, while the other ranks' files are verified on threads (hashed, not kept)."""
+        if info.manifest is None:
+            raise CheckpointCorruptError(f"{info.path}: {info.problem}")
+        files = info.manifest.files
+        mine = [name for name in (info.manifest.replicated_file, info.manifest.rank_file(0)) if name in files]
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=VERIFY_THREADS, thread_name_prefix="elastic-ddp-verify")
+        try:
+            others = [pool.submit(self._check, info, name) for name in files if name not in mine]
+            decoded = {name: deserialize(self.read_verified(info, name), info.path) for name in mine}
+            for future in others:
+                future.result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return decoded
+
+    def _check(self, info: CheckpointInfo, name: str) -> None:
+        self.read_verified(info, name)
 
     def refuse_if_committed(self) -> None:
         """Raise on every rank when the root already holds a committed checkpoint (for a run told not to

@@ -76,6 +76,11 @@ class Checksum:
     and writing instead of their sum. Chunks are not copied; the caller keeps them unchanged
     until :meth:`record` (staged or paused state, so they are). Use as a context manager so
     the thread ends on every path.
+
+    The helper thread runs at the priority of the thread that feeds it (Linux threads inherit
+    their creator's niceness): an asynchronous save's writer runs at BACKGROUND_NICE, so its
+    hashing does too, while a restore or a synchronous save, which the training loop waits for,
+    hashes at the loop's own priority instead of yielding the CPU to every other process.
     """
 
     PARALLEL_MIN_BYTES = 1 << 20
@@ -110,7 +115,6 @@ class Checksum:
 
     def _hash_queued(self) -> None:
         assert self._queue is not None
-        lower_thread_priority()
         while (view := self._queue.get()) is not None:
             self._hasher.update(view)
 

@@ -14,7 +14,10 @@ from tests.jobs import (
     TORCHRUN,
     WORLD_CHANGE_ATOL,
     WORLD_CHANGE_RTOL,
+    assert_opens_with_safetensors,
     events,
+    export_model,
+    import_script,
     inspect,
     load_model_state,
     metrics,
@@ -100,3 +103,7 @@ def test_a_hand_written_loop_resumes_bitwise_through_the_library(tmp_path: Path)
     ours, reference = inspect(str(tmp_path / "split")), inspect(str(tmp_path / "straight"))
     assert ours["step"] == 30 and ours["world_size"] == 2
     assert (ours["model_digest"], ours["data_digest"]) == (reference["model_digest"], reference["data_digest"])
+    assert_opens_with_safetensors(tmp_path / "split")
+    script = import_script(Path(BYO))
+    model = script.build_model(script.parse_args([]))
+    assert export_model(str(tmp_path / "split"), model, tmp_path / "byo.pt") == ours["model_digest"]

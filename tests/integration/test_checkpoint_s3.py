@@ -22,7 +22,17 @@ from fsspec.core import strip_protocol
 
 from elastic_ddp.checkpoint.manifest import step_dir_name
 from tests.fixtures.s3 import S3Endpoint
-from tests.jobs import WORLD_CHANGE_ATOL, WORLD_CHANGE_RTOL, events, inspect, load_model_state, resumed_steps, train_ok
+from tests.jobs import (
+    WORLD_CHANGE_ATOL,
+    WORLD_CHANGE_RTOL,
+    events,
+    export_model,
+    import_example,
+    inspect,
+    load_model_state,
+    resumed_steps,
+    train_ok,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +82,15 @@ def test_s3_run_keeps_the_newest_checkpoints_and_points_latest_at_the_last(
     assert names == ["latest", step_dir_name(20), step_dir_name(30), step_dir_name(40)]
     assert fs.cat_file(reference["uri"] + "/latest") == step_dir_name(40).encode()
     assert reference["facts"]["step"] == 40 and reference["facts"]["world_size"] == 2
+
+
+def test_export_from_s3_loads_into_a_fresh_model_with_the_inspected_digest(
+    reference: dict, s3_server_module: S3Endpoint, tmp_path: Path
+) -> None:
+    model = import_example("model").build_model(import_example("config").ModelConfig())
+    options = json.dumps({"endpoint_url": s3_server_module.endpoint})
+    exported = export_model(reference["uri"], model, tmp_path / "model.safetensors", "--storage-options", options)
+    assert exported == reference["facts"]["model_digest"]
 
 
 def test_s3_checkpoints_hold_the_same_model_and_data_as_local_disk(

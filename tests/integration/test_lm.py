@@ -16,7 +16,18 @@ import pytest
 import torch
 
 from chaos.verify import WORLD_CHANGE_ATOL, WORLD_CHANGE_RTOL
-from tests.jobs import REPO, TORCHRUN, JobResult, inspect, load_model_state, resumed_steps, run
+from tests.jobs import (
+    REPO,
+    TORCHRUN,
+    JobResult,
+    assert_opens_with_safetensors,
+    export_model,
+    import_script,
+    inspect,
+    load_model_state,
+    resumed_steps,
+    run,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +81,10 @@ def test_resume_at_the_same_world_size_is_bitwise_identical_with_bf16_autocast(w
     assert resumed["fingerprint"]["build.corpus_sha256"] == reference["fingerprint"]["build.corpus_sha256"]
     assert resumed["model_digest"] == reference["model_digest"]
     assert resumed["data_digest"] == reference["data_digest"]
+    assert_opens_with_safetensors(split)
+    gpt = import_script(Path(LM_TRAIN).with_name("gpt.py"))
+    model = gpt.GPT(vocab_size=256, context=32, n_layer=1, d_model=32, n_head=2)  # TINY's shape
+    assert export_model(str(split), model, workdir / "gpt.safetensors") == resumed["model_digest"]
 
 
 def test_resume_at_another_world_size_keeps_data_exact_and_weights_close(workdir: Path) -> None:

@@ -11,11 +11,15 @@ import torch
 from tests.jobs import (
     WORLD_CHANGE_ATOL,
     WORLD_CHANGE_RTOL,
+    assert_opens_with_safetensors,
     events,
+    export_model,
+    import_example,
     inspect,
     load_model_state,
     metrics,
     resumed_steps,
+    tensorboard_scalars,
     train,
     train_ok,
 )
@@ -32,7 +36,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(workdir: Path) -> dict:
     """Run A: 40 uninterrupted steps at world size 2, checkpoint every 10."""
     ckpt, logs = workdir / "ref", workdir / "ref-logs"
-    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs)], nproc=2)
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs),
+              "--log-tensorboard"], nproc=2)
     return {"ckpt": str(ckpt), "logs": str(logs), "facts": inspect(str(ckpt))}
 
 
@@ -48,7 +53,7 @@ def _resume_copy(first_half: Path, target: Path, extra: list[str], nproc: int) -
     shutil.copytree(first_half, target)
     logs = target.with_name(target.name + "-logs")
     train_ok(["--max-steps", "40", "--checkpoint-dir", str(target), "--checkpoint-every", "10", "--log-dir", str(logs),
-              *extra], nproc=nproc)
+              "--log-tensorboard", *extra], nproc=nproc)
     assert resumed_steps(logs) == dict.fromkeys(range(nproc), 20)
     return inspect(str(target))
 
@@ -58,6 +63,16 @@ def test_two_ranks_learn_loss_decreases(reference: dict) -> None:
     assert set(range(1, 41)) <= set(losses)
     assert losses[40] < losses[1]
     assert reference["facts"]["step"] == 40 and reference["facts"]["world_size"] == 2
+    assert tensorboard_scalars(reference["logs"], "loss") == pytest.approx(losses)
+    assert tensorboard_scalars(reference["logs"], "membership/world_size") == {0: 2}  # started fresh
+
+
+def test_checkpoints_open_with_safetensors_and_the_exported_model_has_the_inspected_digest(
+    reference: dict, workdir: Path
+) -> None:
+    assert_opens_with_safetensors(reference["ckpt"])
+    model = import_example("model").build_model(import_example("config").ModelConfig())
+    assert export_model(reference["ckpt"], model, workdir / "mlp.safetensors") == reference["facts"]["model_digest"]
 
 
 def test_resume_at_same_world_size_is_bitwise_identical(reference: dict, split_run_first_half: Path, workdir: Path) -> None:
@@ -74,7 +89,8 @@ def test_resume_from_a_checkpoint_committed_in_the_background_is_bitwise_identic
              nproc=2)
     assert inspect(str(ckpt))["step"] == 20
     logs = workdir / "async-only-logs"
-    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs)], nproc=2)
+    train_ok(["--max-steps", "40", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--log-dir", str(logs),
+              "--log-tensorboard"], nproc=2)
     assert resumed_steps(logs) == {0: 20, 1: 20}
     facts = inspect(str(ckpt))
     assert facts["model_digest"] == reference["facts"]["model_digest"]
@@ -108,6 +124,7 @@ def test_world_size_change_keeps_data_exact_and_weights_close(
 ) -> None:
     resumed = _resume_copy(split_run_first_half, workdir / f"to-{new_world_size}", [], nproc=new_world_size)
     assert resumed["world_size"] == new_world_size
+    assert tensorboard_scalars(workdir / f"to-{new_world_size}-logs", "membership/world_size") == {20: new_world_size}
     assert resumed["data_digest"] == reference["facts"]["data_digest"]
     assert (resumed["epoch"], resumed["cursor"]) == (reference["facts"]["epoch"], reference["facts"]["cursor"])
     ours, theirs = load_model_state(str(workdir / f"to-{new_world_size}")), load_model_state(reference["ckpt"])

@@ -329,3 +329,31 @@ def test_an_unexpected_error_in_the_commit_keeps_its_traceback(tmp_path: Path, c
     assert isinstance(raised.value.__cause__, RuntimeError)
     logged = [record for record in caplog.records if record.exc_info and "failed unexpectedly" in record.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info[0] is RuntimeError
+
+
+def test_another_ranks_damaged_file_rejects_the_checkpoint_while_rank_0_reads_its_own(tmp_path: Path, caplog) -> None:
+    """Rank 0 verifies the other ranks' files (on threads) beside its own: one that does not match rejects the step."""
+    import hashlib
+    import shutil
+
+    state = make_state()
+    advance(state, 2)
+    manager(tmp_path).save(state)
+    advance(state, 2)
+    saved = manager(tmp_path).save(state)
+    step_dir = tmp_path / "step-00000004"
+    other = step_dir / saved.rank_file(0).replace("rank-00000", "rank-00001")
+    shutil.copy(step_dir / saved.rank_file(0), other)
+    body = json.loads((step_dir / MANIFEST_NAME).read_text())
+    body["files"][other.name] = {"size": other.stat().st_size, "sha256": hashlib.sha256(other.read_bytes()).hexdigest()}
+    body["world_size"] = 2
+    (step_dir / MANIFEST_NAME).write_text(json.dumps(body))
+    m = manager(tmp_path)
+    m.verify(m.describe(4))  # listed correctly: it verifies
+    data = bytearray(other.read_bytes())
+    data[-1] ^= 1
+    other.write_bytes(bytes(data))
+    restored = m.restore(make_state(seed=3))
+    assert restored is not None and restored.step == 2
+    assert (step_dir / "manifest.rejected.json").exists()
+    assert f"{other}: sha256" in caplog.text

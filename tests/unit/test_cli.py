@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,99 @@ def test_storage_options_are_accepted_after_the_subcommand(root: Path, capsys) -
     assert main(["ckpt", "ls", str(root), "--storage-options", "{}"]) == 0
     assert main(["ckpt", "ls", str(root), "--storage-options", "[1]"]) == 1
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+@pytest.fixture
+def out(tmp_path_factory) -> Path:
+    """Where exports go: not the checkpoint root."""
+    return tmp_path_factory.mktemp("out")
+
+
+def _export(root: Path, to: Path, *more: str) -> int:
+    return main(["ckpt", "export", str(root), "--to", str(to), *more])
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_writes_a_model_state_dict_with_the_digest_inspect_shows(root: Path, out: Path, suffix: str, capsys) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from elastic_ddp.state import model_digest
+
+    assert main(["ckpt", "inspect", str(root / "step-00000004"), "--json"]) == 0
+    digest = json.loads(capsys.readouterr().out)["model_digest"]
+    target = out / f"model{suffix}"
+    assert _export(root, target, "--step", "4") == 0
+    assert "step 4" in capsys.readouterr().out
+    model = make_state(seed=9).model
+    loaded = load_file(str(target)) if suffix == ".safetensors" else torch.load(target, weights_only=True)
+    model.load_state_dict(loaded)  # strict: exactly the model's keys
+    assert model_digest(model.state_dict()) == digest
+    assert [p.name for p in out.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_export_of_the_optimizer_and_everything_to_pt_loads_without_pickle(root: Path, out: Path) -> None:
+    import torch
+
+    assert _export(root, out / "optim.pt", "--what", "optimizer") == 0
+    optimizer = torch.load(out / "optim.pt", weights_only=True)
+    make_state().optimizer.load_state_dict(optimizer)
+    assert _export(root, out / "all.pt", "--what", "all") == 0
+    assert set(torch.load(out / "all.pt", weights_only=True)) >= {"model", "optimizer", "scheduler"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--to", "model.bin"], "must end in .safetensors or .pt"),
+    (["--to", "model.pt", "--step", "5"], r"no committed checkpoint of step 5 under .* \(committed steps: 6, 4, 2\)"),
+    (["--to", "optim.safetensors", "--what", "optimizer"], "not a flat map of named tensors.*--to optim.pt"),
+])
+def test_export_refuses_in_one_line_saying_what_to_do(root: Path, out: Path, monkeypatch, args, message, capsys) -> None:
+    monkeypatch.chdir(out)
+    assert main(["ckpt", "export", str(root), *args]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("elastic-ddp: error:")
+    assert re.search(message, err), err
+    assert not [p for p in out.iterdir() if p.suffix in (".pt", ".safetensors", ".bin")]
+
+
+def test_export_of_a_corrupted_checkpoint_refuses_naming_the_file(root: Path, out: Path, capsys) -> None:
+    target = next((root / "step-00000006").glob("replicated-*.eddp"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    assert _export(root, out / "model.safetensors") == 1
+    err = capsys.readouterr().err
+    assert f"{target}: sha256" in err and len(err.strip().splitlines()) == 1
+    assert not (out / "model.safetensors").exists()
+
+
+def test_export_progress_is_shown_in_steps_for_large_files_only() -> None:
+    import io
+
+    from elastic_ddp.checkpoint.export import PROGRESS_MIN_BYTES, Progress
+
+    stream = io.StringIO()
+    progress = Progress("writing x.pt", 2 * PROGRESS_MIN_BYTES, stream)
+    for _ in range(64):
+        progress.advance(PROGRESS_MIN_BYTES // 32)
+    lines = stream.getvalue().splitlines()
+    assert [int(line.split()[2].rstrip("%")) // 10 for line in lines] == list(range(11))  # one line per tenth
+    assert lines[-1].startswith("writing x.pt: 100%")
+    progress.advance(12345)  # torch.save writes a little more than the tensors' bytes: no second 100% line
+    assert stream.getvalue().splitlines() == lines
+    edge = io.StringIO()
+    at_half = Progress("writing z.pt", 2 * PROGRESS_MIN_BYTES, edge)
+    for count in (PROGRESS_MIN_BYTES - 1, 1, 1):  # just under, at and past one half: one line for that tenth
+        at_half.advance(count)
+    assert [line.split()[2] for line in edge.getvalue().splitlines()] == ["49%", "50%"]
+    small = io.StringIO()
+    Progress("writing y.pt", PROGRESS_MIN_BYTES - 1, small).advance(PROGRESS_MIN_BYTES - 1)
+    assert small.getvalue() == ""
+
+
+def test_export_of_a_sharded_optimizer_says_what_the_replicated_file_holds() -> None:
+    from elastic_ddp.checkpoint.export import ExportError, select
+
+    with pytest.raises(ExportError, match=r"sharded over the rank files.*--what model.*--what all"):
+        select({"model": {}, "optimizer_groups": [{"lr": 0.1}]}, "optimizer", "ckpt/step-00000010")
+    assert select({"model": {}, "optimizer_groups": []}, "all", "w") == {"model": {}, "optimizer_groups": []}

@@ -25,12 +25,15 @@ from botocore.exceptions import ClientError
 from elastic_ddp.checkpoint import storage as storage_module
 from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.storage import (
+    BACKGROUND_NICE,
     READ_CHUNK_BYTES,
     CheckpointStorageError,
+    Checksum,
     FileRecord,
     LocalStorage,
     Storage,
     WriteBehind,
+    lower_thread_priority,
     open_storage,
 )
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError
@@ -461,3 +464,44 @@ def test_s3_credentials_come_from_options_when_given(s3_server: S3Endpoint, monk
     storage = open_storage(s3_server.uri, s3_server.options)
     storage.replace(storage.join("latest"), b"x")
     assert storage.read(storage.join("latest")) == b"x"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread niceness is Linux-only")
+def test_the_hashing_thread_runs_at_the_priority_of_the_thread_it_hashes_for(monkeypatch) -> None:
+    """A restore hashes at the loop's priority; an async save's writer thread, already lowered, hashes lowered."""
+    seen: list[int] = []
+    real = hashlib.sha256
+
+    class Spy:
+        def __init__(self) -> None:
+            self._inner = real()
+
+        def update(self, data: object) -> None:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            self._inner.update(data)
+
+        def hexdigest(self) -> str:
+            return self._inner.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", Spy)
+    chunk = bytes(Checksum.PARALLEL_MIN_BYTES)
+
+    def hash_two_chunks() -> None:
+        with Checksum() as checksum:
+            checksum.update(chunk)
+            checksum.update(chunk)
+            checksum.record()
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    hash_two_chunks()
+    assert seen and set(seen) == {own}
+    seen.clear()
+
+    def lowered() -> None:
+        lower_thread_priority()
+        hash_two_chunks()
+
+    worker = threading.Thread(target=lowered)
+    worker.start()
+    worker.join()
+    assert seen and set(seen) == {max(own, BACKGROUND_NICE)}
