@@ -456,20 +456,22 @@ def test_torchs_handler_sees_the_end_of_the_last_call_at_its_next_read(client: F
     assert b - a > 0.3
 
 
+def _elastic_node(client: FakeEtcdClient, leases: LeaseKeeper, nodes: tuple[int, int], join_s: float, last_call_s: float,
+                  early_close: bool) -> EtcdRendezvousHandler:
+    """An etcd-v3 handler of a job of ``nodes`` (min, max) nodes, as ``create_rdzv_handler`` attaches it."""
+    store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
+    backend = EtcdRendezvousBackend(client, KEY, leases)
+    timeout = RendezvousTimeout(join=timedelta(seconds=join_s), last_call=timedelta(seconds=last_call_s))
+    node = EtcdRendezvousHandler.from_backend("job", store, backend, *nodes, "127.0.0.1", timeout)
+    node.attach(store, backend, early_close=early_close)
+    return node
+
+
 def _round_seconds(client: FakeEtcdClient, early_close: bool) -> tuple[float, float]:
     """Two nodes of an elastic job (2 to 3 nodes, last call 2 s) form a round, then both re-join, as
     after a membership change; returns how long each round took to complete."""
     leases = LeaseKeeper(client, TTL, clock=client.clock)
-    timeout = RendezvousTimeout(join=timedelta(seconds=20), last_call=timedelta(seconds=2))
-
-    def handler() -> EtcdRendezvousHandler:
-        store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
-        backend = EtcdRendezvousBackend(client, KEY, leases)
-        node = EtcdRendezvousHandler.from_backend("job", store, backend, 2, 3, "127.0.0.1", timeout)
-        node.attach(store, backend, early_close=early_close)
-        return node
-
-    handlers = [handler(), handler()]
+    handlers = [_elastic_node(client, leases, (2, 3), 20, 2, early_close) for _ in range(2)]
 
     def rendezvous_of_both() -> None:
         threads = [threading.Thread(target=node.next_rendezvous) for node in handlers]
@@ -505,16 +507,7 @@ def test_a_node_between_its_exit_and_its_join_is_not_left_out_of_an_early_close(
     that re-joins first must not close the next round early while the other is between the two: both
     end up in one round of two."""
     leases = LeaseKeeper(client, TTL, clock=client.clock)
-    timeout = RendezvousTimeout(join=timedelta(seconds=8), last_call=timedelta(seconds=3))
-
-    def handler() -> EtcdRendezvousHandler:
-        store = EtcdStore(client, "/p/job/store/", leases, timedelta(seconds=10))
-        backend = EtcdRendezvousBackend(client, KEY, leases)
-        node = EtcdRendezvousHandler.from_backend("job", store, backend, 1, 3, "127.0.0.1", timeout)
-        node.attach(store, backend, early_close=True)
-        return node
-
-    a, b = handler(), handler()
+    a, b = (_elastic_node(client, leases, (1, 3), 8, 3, early_close=True) for _ in range(2))
     sizes: dict[str, int] = {}
 
     def join(name: str, node: EtcdRendezvousHandler) -> None:

@@ -12,7 +12,7 @@ from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME
 from elastic_ddp.checkpoint.replica import Replicas
 from elastic_ddp.events import EventLog, read_events
-from elastic_ddp.state import model_digest
+from elastic_ddp.state import TrainState, model_digest
 from tests.unit.test_checkpoint_local import advance, make_state
 
 
@@ -21,15 +21,21 @@ def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = N
                     token=manager.token, every=1, events=events, generation=generation)
 
 
+def replicate(state: TrainState, node: Replicas, steps: int = 1) -> None:
+    """Train ``steps`` more steps, keeping a replica of each (each write finished before the next step)."""
+    for _ in range(steps):
+        advance(state, 1)
+        node.save(state)
+        node.wait()
+
+
 def test_a_replica_newer_than_the_newest_commit_is_resumed(tmp_path: Path) -> None:
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     advance(state, 2)
     storage.save(state)
     node = replicas(tmp_path / "shm", storage)
-    advance(state, 1)
-    node.save(state)
-    node.wait()
+    replicate(state, node)
     expected = model_digest(state.model.state_dict()), state.sampler.state_dict(), torch.get_rng_state()
     events = EventLog(str(tmp_path / "logs"), run_id="unit", rank=0)
     fresh = make_state(seed=1)
@@ -47,9 +53,8 @@ def test_a_replica_older_than_the_newest_commit_is_not_used(tmp_path: Path) -> N
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     node = replicas(tmp_path / "shm", storage)
-    advance(state, 2)
-    node.save(state)
-    node.wait()
+    advance(state, 1)
+    replicate(state, node)
     advance(state, 1)
     storage.save(state)
     restored = storage.restore(make_state(seed=1), replicas=replicas(tmp_path / "shm", storage))
@@ -63,9 +68,7 @@ def test_a_damaged_replica_falls_back_to_storage_without_loading_any_of_it(tmp_p
     storage.save(state)
     committed = model_digest(state.model.state_dict())
     node = replicas(tmp_path / "shm", storage)
-    advance(state, 1)
-    node.save(state)
-    node.wait()
+    replicate(state, node)
     (held,) = node.held()
     data = next(Path(held.path).glob("replicated-*"))
     raw = bytearray(data.read_bytes())
@@ -85,9 +88,7 @@ def test_a_replica_without_its_manifest_is_not_a_replica(tmp_path: Path) -> None
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     node = replicas(tmp_path / "shm", storage)
-    advance(state, 1)
-    node.save(state)
-    node.wait()
+    replicate(state, node)
     (held,) = node.held()
     (Path(held.path) / MANIFEST_NAME).unlink()
     assert node.held() == []
@@ -98,10 +99,7 @@ def test_each_node_keeps_its_two_newest_replicas_and_drops_them_when_done(tmp_pa
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     node = replicas(tmp_path / "shm", storage)
-    for _ in range(4):
-        advance(state, 1)
-        node.save(state)
-        node.wait()
+    replicate(state, node, 4)
     assert [held.manifest.step for held in node.held()] == [4, 3]
     manifest = json.loads((Path(node.held()[0].path) / MANIFEST_NAME).read_bytes())
     assert manifest["meta"]["step"] == 4 and manifest["world_size"] == 1
@@ -113,9 +111,8 @@ def test_a_new_launch_over_an_empty_checkpoint_location_ignores_replicas_of_an_e
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     node = replicas(tmp_path / "shm", storage)
-    advance(state, 3)
-    node.save(state)
-    node.wait()
+    advance(state, 2)
+    replicate(state, node)
     assert storage.restore(make_state(seed=1), allow_fresh_start=True,
                            replicas=replicas(tmp_path / "shm", storage, generation=0)) is None
     restored = storage.restore(make_state(seed=1), replicas=replicas(tmp_path / "shm", storage, generation=1))
@@ -125,8 +122,7 @@ def test_a_new_launch_over_an_empty_checkpoint_location_ignores_replicas_of_an_e
 def test_replicas_of_another_checkpoint_location_are_not_candidates(tmp_path: Path) -> None:
     state = make_state()
     node = replicas(tmp_path / "shm", CheckpointManager(str(tmp_path / "a"), rank=0, world_size=1, run_id="unit"))
-    advance(state, 3)
-    node.save(state)
-    node.wait()
+    advance(state, 2)
+    replicate(state, node)
     other = CheckpointManager(str(tmp_path / "b"), rank=0, world_size=1, run_id="unit")
     assert other.restore(make_state(seed=1), allow_fresh_start=True, replicas=replicas(tmp_path / "shm", other)) is None
