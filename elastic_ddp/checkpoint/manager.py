@@ -436,7 +436,7 @@ class CheckpointManager:
         (:mod:`elastic_ddp.checkpoint.replica`), and storage is the fallback.
         Each rank writes what happened: ``resumed``, ``started_fresh`` or ``restore_failed``."""
         try:
-            restored = replicas.restore(state, self.newest_committed()) if replicas is not None else None
+            restored = replicas.restore(state, self._newest_committed_here) if replicas is not None else None
             if restored is None:
                 restored = self._restore(state, allow_fresh_start)
         except CheckpointError as exc:
@@ -450,11 +450,13 @@ class CheckpointManager:
 
     def newest_committed(self) -> int | None:
         """The newest committed step under the root (its files not read), the same on every rank."""
-        newest: builtins.list[Any] = [None]
-        if self.rank == 0:
-            newest[0] = next((info.step for info in self.list() if info.committed), None)
+        newest: builtins.list[Any] = [self._newest_committed_here() if self.rank == 0 else None]
         self._broadcast_from_main(newest)
         return newest[0]
+
+    def _newest_committed_here(self) -> int | None:
+        """:meth:`newest_committed`, read by this rank alone (manifests only)."""
+        return next((info.step for info in self.list() if info.committed), None)
 
     def _restore(self, state: CheckpointState, allow_fresh_start: bool) -> Restored | None:
         choice: builtins.list[Any] = [None, None]
@@ -647,15 +649,25 @@ class CheckpointManager:
     # -- collectives -------------------------------------------------------------
 
     def _gather_to_main(self, item: Any) -> builtins.list[Any]:
-        if self.world_size == 1 or not dist.is_initialized():
-            return [item]
-        gathered: builtins.list[Any] = [None] * self.world_size if self.rank == 0 else []
-        dist.gather_object(item, gathered if self.rank == 0 else None, dst=0, group=self.group)
-        return gathered
+        return gather_to_main(item, self.rank, self.world_size, self.group)
 
     def _broadcast_from_main(self, items: builtins.list[Any]) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.broadcast_object_list(items, src=0, group=self.group)
+        broadcast_from_main(items, self.world_size, self.group)
+
+
+def gather_to_main(item: Any, rank: int, world_size: int, group: dist.ProcessGroup | None) -> builtins.list[Any]:
+    """Every rank's ``item`` on rank 0 (in rank order); other ranks get an empty list."""
+    if world_size == 1 or not dist.is_initialized():
+        return [item]
+    gathered: builtins.list[Any] = [None] * world_size if rank == 0 else []
+    dist.gather_object(item, gathered if rank == 0 else None, dst=0, group=group)
+    return gathered
+
+
+def broadcast_from_main(items: builtins.list[Any], world_size: int, group: dist.ProcessGroup | None) -> None:
+    """Replace ``items`` on every rank with rank 0's, in place."""
+    if world_size > 1 and dist.is_initialized():
+        dist.broadcast_object_list(items, src=0, group=group)
 
 
 def _describe(exc: BaseException) -> str:

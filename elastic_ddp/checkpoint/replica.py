@@ -39,7 +39,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +48,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.checkpoint.format import Flat, encode_chunks, flatten
-from elastic_ddp.checkpoint.manager import CheckpointState, Restored, Stager, deserialize
+from elastic_ddp.checkpoint.manager import (
+    CheckpointState,
+    Restored,
+    Stager,
+    broadcast_from_main,
+    deserialize,
+    gather_to_main,
+)
 from elastic_ddp.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -131,9 +138,6 @@ class Replicas:
         self.generation = generation
         self.group = group
         self.events = events or EventLog.off()
-        self.saved = 0
-        self.skipped = 0
-        """Due steps this node did not write because its previous write was still running."""
         self._stager = Stager()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-writer") if self.writer else None
         self._inflight: Future[None] | None = None
@@ -154,8 +158,7 @@ class Replicas:
         if self._pool is None:
             return
         if self._inflight is not None and not self._inflight.done():
-            self.skipped += 1
-            return
+            return  # the previous write still runs: this node keeps that replica (training never waits)
         self._collect()
         replicated, _ = self._stager.stage("replicated", flatten(state.replicated_state_dict()))
         self._inflight = self._pool.submit(self._write, int(meta["step"]), meta, replicated, everyone)
@@ -184,17 +187,12 @@ class Replicas:
         manifest = Manifest(step=step, world_size=len(ranks), run_id=self.run_id, generation=self.generation,
                             files=files, token=self.token, meta=meta)
         _write_file(os.path.join(directory, MANIFEST_NAME), [manifest.to_json()])  # last: it commits the replica
-        self.saved += 1
         self.events.emit(Event.REPLICA_SAVED, step=step, path=directory, token=self.token)
         for old in sorted(self._own_steps(), reverse=True)[KEEP:]:
             shutil.rmtree(os.path.join(self.own, step_dir_name(old)), ignore_errors=True)
 
     def _own_steps(self) -> list[int]:
-        try:
-            names = os.listdir(self.own)
-        except OSError:
-            return []
-        return [step for step in map(parse_step_dir, names) if step is not None]
+        return [step for step in map(parse_step_dir, _list(self.own)) if step is not None]
 
     def _collect(self) -> None:
         """Log (once) why the previous write failed."""
@@ -253,21 +251,23 @@ class Replicas:
                     found.append(Held(path, manifest))
         return sorted(found, key=lambda held: held.manifest.step, reverse=True)
 
-    def restore(self, state: CheckpointState, newest_committed: int | None) -> Restored | None:
-        """Every rank: load the newest replica at least as new as step ``newest_committed`` of storage
-        (None: storage holds none); None when no node holds one or any rank could not verify it."""
+    def restore(self, state: CheckpointState, newest_committed: Callable[[], int | None]) -> Restored | None:
+        """Every rank: load the newest replica at least as new as storage's newest committed step (which
+        ``newest_committed`` reads, on rank 0 and only when some node holds a replica; None: storage holds
+        none); None when no node holds one or any rank could not verify it."""
         mine = {(held.manifest.step, held.manifest.token): held for held in self.held()}
         reports = self._gather_to_main((sorted(mine), self.generation))
         choice: list[Any] = [None]
-        if self.rank == 0:
+        if self.rank == 0 and any(held for held, _ in reports):
             restarted = any(generation > 0 for _, generation in reports)
-            if newest_committed is None and not restarted and any(held for held, _ in reports):
+            committed = newest_committed()
+            if committed is None and not restarted:
                 # A new launch (no agent has restarted) over storage without a checkpoint: replicas left by an
                 # earlier launch of this run id must not resurrect a run whose checkpoints were removed.
                 logger.warning("ignoring replicas left by an earlier launch under %s: storage holds no checkpoint",
                                self.root)
             else:
-                choice[0] = _choose([held for held, _ in reports], newest_committed)
+                choice[0] = _choose([held for held, _ in reports], committed)
         self._broadcast_from_main(choice)
         if choice[0] is None:
             return None
@@ -303,11 +303,7 @@ class Replicas:
         if reuse_rank_state:
             wanted += [manifest.rank_file(rank) for rank in range(self.world_size)]
         source = holders[0]
-        needs = self._gather_to_main(local is None)
-        remote: list[Any] = [False]
-        if self.rank == 0:
-            remote[0] = any(needs)
-        self._broadcast_from_main(remote)
+        remote = len(holders) < self.world_size  # some rank's node does not hold it: it is sent to all
         pieces: dict[str, bytes | memoryview] = {}
         problem: str | None = None
         for name in wanted:
@@ -318,7 +314,7 @@ class Replicas:
                     data = _read_verified(local.path, name, manifest)
                 except CheckpointError as exc:
                     problem = problem or str(exc)
-            if remote[0]:
+            if remote:
                 payload = bytes(data) if self.rank == source and data is not None else b""
                 sent = self._send_bytes(payload, source)
                 if local is None and mine_needed:
@@ -344,15 +340,10 @@ class Replicas:
     # -- collectives -------------------------------------------------------------
 
     def _gather_to_main(self, item: Any) -> list[Any]:
-        if self.world_size == 1 or not dist.is_initialized():
-            return [item]
-        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
-        dist.gather_object(item, gathered if self.rank == 0 else None, dst=0, group=self.group)
-        return gathered
+        return gather_to_main(item, self.rank, self.world_size, self.group)
 
     def _broadcast_from_main(self, items: list[Any]) -> None:
-        if self.world_size > 1 and dist.is_initialized():
-            dist.broadcast_object_list(items, src=0, group=self.group)
+        broadcast_from_main(items, self.world_size, self.group)
 
     def _send_bytes(self, data: bytes, source: int) -> bytes:
         """``source``'s bytes on every rank (a length, then the bytes, as tensors: no pickle)."""
