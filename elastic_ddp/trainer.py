@@ -237,7 +237,8 @@ class Trainer:
         return Replicas(
             checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.context.rank,
             world_size=self.context.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
-            token=self.checkpoints.token, every=checkpoint.replica_every, generation=env.restart_count,
+            token=self.checkpoints.token, every=checkpoint.replica_every, budget=checkpoint.replica_budget,
+            generation=env.restart_count,
             group=self.agreement_group, events=self.events,
         )
 

@@ -90,6 +90,10 @@ def flatten(obj: Any) -> Flat:
     return flat
 
 
+_PLAIN = frozenset({int, str, bool, type(None)})
+"""Types that stand as themselves in the tree (exactly these: a subclass may not survive the round trip)."""
+
+
 def _encode(obj: Any, flat: Flat, path: str) -> Any:
     if isinstance(obj, torch.Tensor):
         flat.tensors.append(obj)
@@ -102,7 +106,10 @@ def _encode(obj: Any, flat: Flat, path: str) -> Any:
     if isinstance(obj, dict):
         return ["d", [[_encode(k, flat, _child(path, k)), _encode(v, flat, _child(path, k))] for k, v in obj.items()]]
     if isinstance(obj, (list, tuple)):
-        items = [_encode(v, flat, _child(path, i)) for i, v in enumerate(obj)]
+        if all(type(v) in _PLAIN for v in obj):  # e.g. Python's RNG state, 625 ints: no path per element
+            items = list(obj)
+        else:
+            items = [_encode(v, flat, _child(path, i)) for i, v in enumerate(obj)]
         return ["t" if isinstance(obj, tuple) else "l", items]
     raise TypeError(
         f"cannot store {type(obj).__name__} at {_child('state', path) if path else 'state'}: checkpoints hold only "
@@ -141,33 +148,71 @@ def encode_chunks(flat: Flat, metadata: Mapping[str, str] | None = None) -> Iter
     for tensor in flat.tensors:
         if tensor.device.type != "cpu":
             raise ValueError("encode_chunks needs CPU tensors (stage them first)")
+    planned = plan(flat)
+    yield planned.header(flat.tree if metadata is None else None, metadata)
+    for index in planned.order:
+        view = _byte_view(flat.tensors[index])
+        for begin in range(0, len(view), CHUNK_BYTES):
+            yield view[begin : begin + CHUNK_BYTES]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each tensor of a :class:`Flat` goes in a file: what depends on the tensors' names, dtypes and
+    shapes only, so a file can be rewritten in place while they stay the same (node-memory replicas)."""
+
+    names: tuple[str, ...]
+    """Each tensor's unique name, by its index in the Flat."""
+    order: tuple[int, ...]
+    """Tensor indices in the order of their data in the file (largest element size first)."""
+    offsets: tuple[int, ...]
+    """Each tensor's byte offset in the data part, by its index in the Flat."""
+    data_bytes: int
+    signature: tuple[Any, ...]
+    """Names, dtypes and shapes (:func:`signature`): equal signatures give equal plans."""
+    _entries: dict[str, Any] = field(compare=False, repr=False)
+    _complex128: tuple[str, ...] = field(compare=False, repr=False)
+
+    def header(self, tree: Any, metadata: Mapping[str, str] | None = None, size: int | None = None) -> bytes:
+        """The length field and header, padded with spaces to ``size`` bytes (a multiple of 64; None: the
+        smallest that aligns the data). ``tree``: the Flat's skeleton, stored as the ``elastic_ddp`` metadata;
+        ``metadata`` instead replaces that entry. ValueError when the header does not fit ``size``."""
+        if metadata is None:
+            body: dict[str, Any] = {"version": VERSION, "tree": tree, "tensors": list(self.names)}
+            if self._complex128:
+                body["complex128"] = list(self._complex128)
+            metadata = {METADATA_KEY: json.dumps(body, separators=(",", ":"))}
+        entries = {"__metadata__": {"format": "pt", **metadata}, **self._entries}
+        header = json.dumps(entries, separators=(",", ":")).encode()
+        if size is None:
+            size = _aligned(_LENGTH.size + len(header))
+        if size % ALIGN or _LENGTH.size + len(header) > size:
+            raise ValueError(f"a header of {len(header)} bytes does not fit {size} bytes")
+        padded = size - _LENGTH.size
+        return _LENGTH.pack(padded) + header + b" " * (padded - len(header))
+
+
+def plan(flat: Flat) -> Plan:
+    """The :class:`Plan` of ``flat``'s tensors."""
     names = _unique_names(flat.names or [str(index) for index in range(len(flat.tensors))])
-    if metadata is None:
-        metadata = {METADATA_KEY: _tree_metadata(flat.tree, flat.tensors, names)}
     order = sorted(range(len(flat.tensors)), key=lambda index: -flat.tensors[index].element_size())
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
+    entries: dict[str, Any] = {}
+    offsets = [0] * len(flat.tensors)
     offset = 0
     for index in order:
         tensor = flat.tensors[index]
         nbytes = tensor.numel() * tensor.element_size()
         entries[names[index]] = {"dtype": _code(tensor), "shape": _stored_shape(tensor),
                                  "data_offsets": [offset, offset + nbytes]}
+        offsets[index] = offset
         offset += nbytes
-    header = json.dumps(entries, separators=(",", ":")).encode()
-    padded = _aligned(_LENGTH.size + len(header)) - _LENGTH.size
-    yield _LENGTH.pack(padded) + header + b" " * (padded - len(header))
-    for index in order:
-        view = _byte_view(flat.tensors[index])
-        for begin in range(0, len(view), CHUNK_BYTES):
-            yield view[begin : begin + CHUNK_BYTES]
+    complex128 = tuple(name for name, tensor in zip(names, flat.tensors) if tensor.dtype == torch.complex128)
+    return Plan(tuple(names), tuple(order), tuple(offsets), offset, signature(flat), entries, complex128)
 
 
-def _tree_metadata(tree: Any, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> str:
-    body: dict[str, Any] = {"version": VERSION, "tree": tree, "tensors": list(names)}
-    complex128 = [name for name, tensor in zip(names, tensors) if tensor.dtype == torch.complex128]
-    if complex128:
-        body["complex128"] = complex128
-    return json.dumps(body, separators=(",", ":"))
+def signature(flat: Flat) -> tuple[Any, ...]:
+    """What a :class:`Plan` depends on: the tensors' names, dtypes and shapes."""
+    return tuple(flat.names), tuple((tensor.dtype, tensor.shape) for tensor in flat.tensors)
 
 
 def _unique_names(names: Sequence[str]) -> list[str]:

@@ -45,7 +45,7 @@ from elastic_ddp.checkpoint.manifest import (
     replicated_file_name,
     step_dir_name,
 )
-from elastic_ddp.checkpoint.storage import FileRecord, Storage, open_storage
+from elastic_ddp.checkpoint.storage import HASH_NAME, FileRecord, Storage, open_storage
 from elastic_ddp.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
@@ -400,6 +400,9 @@ class CheckpointManager:
             return CheckpointInfo(step, path, None, str(exc))
         if manifest.step != step:
             return CheckpointInfo(step, path, None, f"manifest says step {manifest.step}, directory says {step}")
+        if manifest.hash != HASH_NAME:
+            return CheckpointInfo(step, path, None, f"files checksummed with {manifest.hash}: a stored checkpoint needs "
+                                                    f"{HASH_NAME}")
         return CheckpointInfo(step, path, manifest)
 
     def verify(self, info: CheckpointInfo) -> dict[str, bytes | memoryview]:
@@ -422,9 +425,9 @@ class CheckpointManager:
             raise CheckpointCorruptError(f"{path}: missing ({exc})") from exc
         if found.size != record.size:
             raise CheckpointCorruptError(f"{path}: size {found.size} bytes, manifest says {record.size}")
-        digest = found.sha256
-        if digest != record.sha256:
-            raise CheckpointCorruptError(f"{path}: sha256 {digest[:12]}… does not match the manifest's {record.sha256[:12]}…")
+        if found.digest != record.digest:
+            raise CheckpointCorruptError(
+                f"{path}: sha256 {found.digest[:12]}… does not match the manifest's {record.digest[:12]}…")
         return data
 
     # -- restore -----------------------------------------------------------------

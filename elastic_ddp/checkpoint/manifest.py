@@ -31,6 +31,9 @@ REJECTED_MANIFEST_NAME = "manifest.rejected.json"
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8,})$")
 _FILE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+HASHES = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "xxh3-128": re.compile(r"^[0-9a-f]{32}$")}
+"""The file digests a manifest may name in its ``hash`` field, each with the form of its hex digest:
+stored checkpoints use SHA-256; node-memory replicas XXH3-128 (elastic_ddp.checkpoint.replica)."""
 _TOKEN = re.compile(r"^[0-9a-f]{8,32}$")
 
 
@@ -70,10 +73,12 @@ class Manifest:
     torch_version: str = field(default_factory=lambda: torch.__version__)
     created_at: float = field(default_factory=time.time)
     hash: str = "sha256"
+    """The digest of every file record (a key of HASHES); the records name it: ``{"size", "sha256"}``."""
 
     def to_json(self) -> bytes:
         body = asdict(self)
-        body["files"] = {name: asdict(record) for name, record in sorted(self.files.items())}
+        body["files"] = {name: {"size": record.size, self.hash: record.digest}
+                         for name, record in sorted(self.files.items())}
         return json.dumps(body, indent=2, sort_keys=True).encode()
 
     @property
@@ -124,7 +129,10 @@ class Manifest:
             raise ValueError("data_digest is not a sha256 hex digest")
         if "fingerprint" in meta and not isinstance(meta["fingerprint"], dict):
             raise TypeError("fingerprint is not an object")
-        files = {name: _file_record(name, record) for name, record in _dict(body, "files").items()}
+        hash_name = str(body.get("hash", "sha256"))
+        if hash_name not in HASHES:
+            raise ValueError(f"hash {hash_name!r} is not one of {', '.join(HASHES)}")
+        files = {name: _file_record(name, record, hash_name) for name, record in _dict(body, "files").items()}
         token = str(body["token"])
         if not _TOKEN.match(token):
             raise ValueError(f"token {token!r} is not a writer token")
@@ -141,7 +149,7 @@ class Manifest:
             format_version=version,
             torch_version=str(body["torch_version"]),
             created_at=float(body["created_at"]),
-            hash=str(body.get("hash", "sha256")),
+            hash=hash_name,
         )
 
 
@@ -159,14 +167,14 @@ def _dict(body: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def _file_record(name: str, record: Any) -> FileRecord:
+def _file_record(name: str, record: Any, hash_name: str) -> FileRecord:
     if not _FILE_NAME_PATTERN.match(name) or ".." in name:
         raise ValueError(f"file name {name!r} is not allowed")
     if not isinstance(record, dict):
         raise TypeError(f"entry for {name} is not an object")
-    size, digest = record["size"], record["sha256"]
+    size, digest = record["size"], record[hash_name]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"size of {name} is not a non-negative integer")
-    if not isinstance(digest, str) or not _HEX64.match(digest):
-        raise ValueError(f"sha256 of {name} is not a hex digest")
-    return FileRecord(size=size, sha256=digest)
+    if not isinstance(digest, str) or not HASHES[hash_name].match(digest):
+        raise ValueError(f"{hash_name} of {name} is not a hex digest")
+    return FileRecord(size=size, digest=digest)

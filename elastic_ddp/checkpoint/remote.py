@@ -239,7 +239,7 @@ class FsspecStorage:
 
     def read_hashed(self, path: str) -> tuple[bytes, FileRecord]:
         data = self.read(path)
-        return data, FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        return data, FileRecord(size=len(data), digest=hashlib.sha256(data).hexdigest())
 
     def list_dir(self, path: str) -> list[str]:
         with self._errors("list", path):

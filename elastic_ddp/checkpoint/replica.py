@@ -7,14 +7,17 @@ worker cost every step since the last commit. Replicas close that gap.
 **Saving.** Every ``every`` steps, on every rank at the same step, each rank encodes its own
 state (the rank part of a checkpoint: RNG streams, a sharded optimizer's shard, per-rank
 objects) and all ranks exchange it in one all-gather (a few kilobytes per rank under DDP).
-Then the first worker of each node writes, in a background thread, a complete checkpoint of
-that step into the node's replica directory: the replicated state (model, optimizer, ...) from
-its own memory, every rank's state, and a manifest written last, in the layout and with the
-SHA-256 checksums of a stored checkpoint. The directory is node memory (``/dev/shm``) by
-default: it outlives the workers, not the node. So every node holds the whole state of the
-step, and a step can be resumed while any node that wrote it survives. A node whose previous
-write has not finished skips the step (training never waits for a replica); it holds the
-previous one until the next due step. Each node keeps its two newest replicas.
+Then the first worker of each node copies the replicated state (model, optimizer, ...) into
+one of its two slots in the node's replica directory and, in a background thread, finishes a
+complete checkpoint of that step there: the file's header, every rank's state, and a manifest
+written last, in the layout of a stored checkpoint but with XXH3-128 digests. A slot's
+replicated file is laid out once and mapped into memory, so the copy is the write: one pass
+over the state, no staging buffer. The two slots are written in turn and a slot's manifest is
+removed before its file is overwritten, so the newest replica is never the one being written.
+The directory is node memory (``/dev/shm``) by default: it outlives the workers, not the node.
+So every node holds the whole state of the step, and a step can be resumed while any node
+that wrote it survives. A node whose previous write has not finished skips the step (training
+never waits for a replica); it holds the previous one until the next due step.
 
 **Restoring.** Every rank reports the replicas its node holds. Rank 0 takes the newest one
 that is at least as new as the newest committed checkpoint in storage. Each rank reads its
@@ -35,36 +38,32 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import re
 import shutil
+import struct
 import tempfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
-from elastic_ddp.checkpoint.format import Flat, encode_chunks, flatten
+from elastic_ddp.checkpoint.format import ALIGN, Flat, Plan, encode_chunks, flatten, plan, signature
 from elastic_ddp.checkpoint.manager import (
     CheckpointState,
     Restored,
-    Stager,
     broadcast_from_main,
     deserialize,
     gather_to_main,
 )
-from elastic_ddp.checkpoint.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    parse_step_dir,
-    rank_file_name,
-    replicated_file_name,
-    step_dir_name,
-)
-from elastic_ddp.checkpoint.storage import Checksum, FileRecord, LocalStorage
+from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, Manifest, rank_file_name, replicated_file_name
+from elastic_ddp.checkpoint.storage import FileRecord
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError
 from elastic_ddp.events import Event, EventLog
 
@@ -72,8 +71,18 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DIR_ENV = "ELASTIC_DDP_REPLICA_DIR"
 """The node's replica root when ``--checkpoint-replica-dir`` is not given."""
-KEEP = 2
+SLOTS = 2
+"""Replica directories per node, written in turn: the newest replica is never the one being overwritten."""
+HASH = "xxh3-128"
+"""The replicas' file digest: they guard against torn and mixed-up writes in node memory, not against an
+attacker (who could rewrite the manifest as well); XXH3 runs at memory speed, SHA-256 at about 1.4 GB/s here."""
+_HEAD = struct.Struct("<qq")
+"""What each rank puts before its state in the all-gather: the state's length (negative: it did not fit)
+and the interval it proposes."""
+MAX_INTERVAL = 10_000
+_SMOOTHING = 0.2
 _NODE_DIR = re.compile(r"^node-\d+$")
+_SLOT_DIR = re.compile(r"^slot-\d$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -84,6 +93,95 @@ def default_root() -> str:
         return configured
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return os.path.join(base, f"elastic_ddp-replicas-{os.getuid()}")
+
+
+@dataclass
+class ReplicaStats:
+    """What this rank's replicas cost (benchmarks/replica.py reads them)."""
+
+    saves: int = 0
+    """Due replicas this rank took part in."""
+    written: int = 0
+    """Replicas this rank's node wrote (its first worker only)."""
+    skipped: int = 0
+    """Due replicas the node did not write because its previous write was still running."""
+    blocking_s: float = 0.0
+    """Seconds the training thread spent in :meth:`Replicas.save`."""
+    blocking_cpu_s: float = 0.0
+    """CPU seconds of the training thread in :meth:`Replicas.save` (waiting for peers not counted)."""
+    write_s: float = 0.0
+    """Seconds of background writing."""
+    write_cpu_s: float = 0.0
+    """CPU seconds of the background writing."""
+
+
+class _Slot:
+    """One of a node's replica directories. Its replicated file is laid out once for the state's tensors and
+    mapped into the writer's memory, so a replica is one copy of the state into node memory plus a digest:
+    no staging buffer, no file written from scratch. The file is reserved in full when laid out
+    (``posix_fallocate``), so a full node-memory file system fails that call instead of a later copy."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.step: int | None = None
+        """The step its manifest commits; None while it has none."""
+        self._plan: Plan | None = None
+        self._token = ""
+        self._header_bytes = 0
+        self._mapped: torch.Tensor | None = None
+        self._targets: list[torch.Tensor] = []
+
+    def uncommit(self) -> None:
+        """Remove the manifest first: from here on a crash leaves a slot without one, never a torn replica."""
+        self.step = None
+        try:
+            os.unlink(os.path.join(self.path, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+
+    def prepare(self, flat: Flat, token: str) -> None:
+        """Lay the file out for ``flat``'s tensors, unless it already is (same names, dtypes, shapes, token)."""
+        if self._mapped is not None and self._token == token and self._plan is not None and \
+                self._plan.signature == signature(flat):
+            return
+        planned = plan(flat)
+        self.release()
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.makedirs(self.path)
+        # room for the header to grow (the tree holds step counts, learning rates, ...) without a new layout
+        header_bytes = -(-(2 * len(planned.header(flat.tree)) + 4096) // ALIGN) * ALIGN
+        size = header_bytes + planned.data_bytes
+        path = os.path.join(self.path, replicated_file_name(token))
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(descriptor, 0, size)
+        finally:
+            os.close(descriptor)
+        mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        # each tensor's bytes in the file, typed and shaped as the tensor: the copy is one copy_ per tensor
+        self._targets = [mapped[header_bytes + offset : header_bytes + offset + tensor.numel() * tensor.element_size()]
+                         .view(tensor.dtype).view(tensor.shape) for tensor, offset in zip(flat.tensors, planned.offsets)]
+        self._plan, self._token, self._header_bytes, self._mapped = planned, token, header_bytes, mapped
+
+    def copy(self, flat: Flat) -> None:
+        """The training thread's part: the tensors' bytes into the mapped file."""
+        for target, tensor in zip(self._targets, flat.tensors):
+            if tensor.numel():
+                target.copy_(tensor.detach())
+
+    def finish(self, tree: Any) -> FileRecord:
+        """The writer thread's part: the header (with ``tree``, the state's skeleton at the copy) and the digest."""
+        assert self._plan is not None and self._mapped is not None
+        try:
+            header = self._plan.header(tree, size=self._header_bytes)
+        except ValueError:
+            self._plan = None  # the tree outgrew the room: the next replica lays the file out again
+            raise
+        self._mapped[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        return FileRecord(size=self._mapped.numel(), digest=_digest(self._mapped.numpy().data))
+
+    def release(self) -> None:
+        self._plan, self._mapped, self._targets = None, None, []
 
 
 @dataclass(frozen=True)
@@ -119,12 +217,15 @@ class Replicas:
         node_rank: int,
         token: str,
         every: int,
+        budget: float = 0.0,
         generation: int = 0,
         group: dist.ProcessGroup | None = None,
         events: EventLog | None = None,
     ) -> None:
         if every < 0:
             raise ValueError(f"every={every} must be >= 0")
+        if not 0.0 <= budget < 1.0:
+            raise ValueError(f"budget={budget} must be in [0, 1)")
         # one directory per run id and checkpoint location: another job's replicas are never candidates
         where = hashlib.sha256(checkpoint_uri.encode()).hexdigest()[:12]
         self.root = os.path.join(os.path.abspath(root), f"{_UNSAFE.sub('_', run_id)}-{where}")
@@ -135,75 +236,169 @@ class Replicas:
         self.writer = local_rank == 0
         self.token = token
         self.every = every
+        self.budget = budget
+        self.interval = every
+        """Steps between replicas, agreed by all ranks at each replica (see :meth:`_proposal`)."""
+        self._next_due: int | None = None
+        self._cost: float | None = None
+        """This rank's CPU seconds per replica (training thread, plus the background write on a node's writer),
+        smoothed: what a replica takes from training when the node has no idle core."""
+        self._step_time: float | None = None
+        """Seconds per training step between replicas, without the replicas, smoothed."""
+        self._previous: tuple[int, float, float, float] | None = None
+        """Step, time, training-thread seconds and CPU seconds of this rank's previous replica."""
+        self._last_write_cpu_s = 0.0
         self.generation = generation
         self.group = group
         self.events = events or EventLog.off()
-        self._stager = Stager()
+        self._capacity = 0
+        """Bytes per rank of the all-gather of the ranks' own state (agreed at the first save)."""
+        self._slots: list[_Slot] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-writer") if self.writer else None
         self._inflight: Future[None] | None = None
         self._warned = False
+        self.stats = ReplicaStats()
 
     # -- saving ------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
+        """Whether ``step`` takes a replica: every ``every`` steps at first, then at the interval the ranks agreed at
+        the previous one (the same on every rank: all ranks run the same steps and agree on the interval)."""
+        if self.every <= 0 or step <= 0:
+            return False
+        return step % self.every == 0 if self._next_due is None else step >= self._next_due
 
     def save(self, state: CheckpointState) -> None:
-        """Every rank, at the same step: exchange the ranks' own state; the node's writer stages the
-        replicated state and writes the replica in the background. Never raises for a failed write
-        (logged once; the node keeps its older replicas)."""
+        """Every rank, at the same step: exchange the ranks' own state; the node's writer copies the
+        replicated state into a slot and finishes the replica in the background. Never raises for a
+        failed write (logged once; the node keeps its other replica)."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        step = int(state.meta()["step"])
+        self._measure(step, started)
+        try:
+            self._save(state, step)
+        finally:
+            blocking, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
+            self._previous = step, started, blocking, cpu
+            self.stats.saves += 1
+            self.stats.blocking_s += blocking
+            self.stats.blocking_cpu_s += cpu
+
+    def _measure(self, step: int, now: float) -> None:
+        """Fold the previous replica's cost and the steps since it into the smoothed figures."""
+        if self._previous is None:
+            return
+        previous_step, previous_at, blocking, cpu = self._previous
+        if step <= previous_step:
+            return
+        cost = cpu + self._last_write_cpu_s
+        training = max(now - previous_at - blocking, 0.0) / (step - previous_step)
+        if self.stats.saves <= 1:  # the first replica lays its slot out: not what the next ones cost
+            self._cost, self._step_time = None, training
+            return
+        self._cost = cost if self._cost is None else self._cost + _SMOOTHING * (cost - self._cost)
+        self._step_time = training if self._step_time is None else \
+            self._step_time + _SMOOTHING * (training - self._step_time)
+
+    def _proposal(self) -> int:
+        """The interval this rank asks for: ``every``, or more when a replica at that interval would take more
+        than ``budget`` of the training time. The ranks take the largest proposal."""
+        if not self.budget or self._cost is None or not self._step_time:
+            return self.every
+        needed = math.ceil(self._cost / (self.budget * self._step_time * self.every)) * self.every
+        return min(max(self.every, needed), MAX_INTERVAL)
+
+    def _save(self, state: CheckpointState, step: int) -> None:
         meta = state.meta()
         mine = b"".join(bytes(chunk) for chunk in encode_chunks(flatten(state.rank_state_dict())))
-        everyone = self._all_gather(mine)
-        if self._pool is None:
+        everyone, interval = self._all_gather(mine, self._proposal())
+        self.interval = interval
+        self._next_due = step + interval
+        if self._pool is None or everyone is None:
             return
         if self._inflight is not None and not self._inflight.done():
+            self.stats.skipped += 1
             return  # the previous write still runs: this node keeps that replica (training never waits)
         self._collect()
-        replicated, _ = self._stager.stage("replicated", flatten(state.replicated_state_dict()))
-        self._inflight = self._pool.submit(self._write, int(meta["step"]), meta, replicated, everyone)
+        slot = self._free_slot()
+        flat = flatten(state.replicated_state_dict())
+        try:
+            slot.uncommit()
+            slot.prepare(flat, self.token)
+            slot.copy(flat)
+        except (OSError, RuntimeError, ValueError) as exc:  # a full or unwritable replica directory
+            slot.release()
+            self._warn(exc)
+            return
+        self._inflight = self._pool.submit(self._write, slot, step, meta, flat.tree, everyone, interval)
 
-    def _all_gather(self, data: bytes) -> list[bytes]:
+    def _all_gather(self, data: bytes, proposal: int) -> tuple[list[bytes] | None, int]:
+        """Every rank's ``data`` and the largest ``proposal``, in one all-gather of a buffer whose size the ranks
+        agreed on earlier. The data is None (on every rank) when some rank's outgrew the buffer, which the next
+        call's is then large enough for."""
         if self.world_size == 1 or not dist.is_initialized():
-            return [data]
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-        longest = max(int(size) for size in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.group)
-        return [tensor[: int(size)].numpy().tobytes() for tensor, size in zip(gathered, sizes)]
+            return [data], proposal
+        if not self._capacity:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+            self._capacity = _room(max(int(size) for size in sizes))
+        capacity = self._capacity
+        fits = len(data) <= capacity - _HEAD.size
+        buffer = torch.zeros(capacity, dtype=torch.uint8)
+        head = _HEAD.pack(len(data) if fits else -len(data), proposal)
+        buffer[: _HEAD.size] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        if fits and data:
+            buffer[_HEAD.size : _HEAD.size + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty(capacity, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(gathered, buffer, group=self.group)
+        raw = [tensor.numpy().tobytes() for tensor in gathered]
+        heads = [_HEAD.unpack_from(item) for item in raw]
+        interval = max(1, min(max(asked for _, asked in heads), MAX_INTERVAL))
+        if any(length < 0 for length, _ in heads):
+            self._capacity = _room(max(abs(length) for length, _ in heads))
+            return None, interval
+        return [item[_HEAD.size : _HEAD.size + length] for item, (length, _) in zip(raw, heads)], interval
 
-    def _write(self, step: int, meta: dict[str, Any], replicated: Flat, ranks: list[bytes]) -> None:
-        directory = os.path.join(self.own, step_dir_name(step))
-        shutil.rmtree(directory, ignore_errors=True)  # another launch's replica of this step
-        os.makedirs(directory)
-        files = {replicated_file_name(self.token): _write_file(os.path.join(directory, replicated_file_name(self.token)),
-                                                               encode_chunks(replicated))}
+    def _free_slot(self) -> _Slot:
+        """The slot to write: the one not holding this node's newest replica."""
+        if self._slots is None:
+            self._slots = [_Slot(os.path.join(self.own, f"slot-{index}")) for index in range(SLOTS)]
+            for slot in self._slots:
+                slot.step = _committed_step(slot.path, self.run_id)
+        return min(self._slots, key=lambda slot: -1 if slot.step is None else slot.step)
+
+    def _write(self, slot: _Slot, step: int, meta: dict[str, Any], tree: Any, ranks: list[bytes], interval: int) -> None:
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        files = {replicated_file_name(self.token): slot.finish(tree)}
         for rank, data in enumerate(ranks):
             name = rank_file_name(rank, self.token)
-            files[name] = _write_file(os.path.join(directory, name), [data])
+            with open(os.path.join(slot.path, name), "wb") as handle:
+                handle.write(data)
+            files[name] = FileRecord(size=len(data), digest=_digest(data))
         manifest = Manifest(step=step, world_size=len(ranks), run_id=self.run_id, generation=self.generation,
-                            files=files, token=self.token, meta=meta)
-        _write_file(os.path.join(directory, MANIFEST_NAME), [manifest.to_json()])  # last: it commits the replica
-        self.events.emit(Event.REPLICA_SAVED, step=step, path=directory, token=self.token)
-        for old in sorted(self._own_steps(), reverse=True)[KEEP:]:
-            shutil.rmtree(os.path.join(self.own, step_dir_name(old)), ignore_errors=True)
-
-    def _own_steps(self) -> list[int]:
-        return [step for step in map(parse_step_dir, _list(self.own)) if step is not None]
+                            files=files, token=self.token, meta=meta, hash=HASH)
+        temp = os.path.join(slot.path, f"{MANIFEST_NAME}.tmp")
+        with open(temp, "wb") as handle:
+            handle.write(manifest.to_json())
+        os.replace(temp, os.path.join(slot.path, MANIFEST_NAME))  # last: it commits the replica
+        slot.step = step
+        self.events.emit(Event.REPLICA_SAVED, step=step, path=slot.path, token=self.token, interval=interval)
+        self._last_write_cpu_s = time.thread_time() - cpu_started
+        self.stats.written += 1
+        self.stats.write_s += time.perf_counter() - started
+        self.stats.write_cpu_s += self._last_write_cpu_s
 
     def _collect(self) -> None:
         """Log (once) why the previous write failed."""
         inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            return
-        error = inflight.exception()
-        if error is not None and not self._warned:
+        if inflight is not None and inflight.exception() is not None:
+            self._warn(inflight.exception())
+
+    def _warn(self, error: BaseException | None) -> None:
+        if not self._warned:
             self._warned = True
             logger.warning("rank %d: writing a replica under %s failed (%s); training goes on without it, and a "
-                           "restart falls back to the older replica or to storage", self.rank, self.own, error)
+                           "restart falls back to the other replica or to storage", self.rank, self.own, error)
 
     def wait(self) -> None:
         """Return once the write in flight is done (tests, and the end of a run)."""
@@ -215,6 +410,8 @@ class Replicas:
         self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        for slot in self._slots or []:
+            slot.release()
 
     def discard(self) -> None:
         """Remove this node's replicas (the run finished: nothing will resume from them)."""
@@ -239,15 +436,11 @@ class Replicas:
         for node in nodes:
             base = os.path.join(self.root, node)
             for name in _list(base):
-                if parse_step_dir(name) is None:
+                if not _SLOT_DIR.match(name):
                     continue
                 path = os.path.join(base, name)
-                try:
-                    with open(os.path.join(path, MANIFEST_NAME), "rb") as handle:
-                        manifest = Manifest.from_json(handle.read(), path)
-                except (OSError, CheckpointError):
-                    continue
-                if manifest.run_id == self.run_id:
+                manifest = _read_manifest(path)
+                if manifest is not None and manifest.run_id == self.run_id:
                     found.append(Held(path, manifest))
         return sorted(found, key=lambda held: held.manifest.step, reverse=True)
 
@@ -336,6 +529,7 @@ class Replicas:
         for held in self.held():
             if (held.manifest.step, held.manifest.token) != (step, token):
                 shutil.rmtree(held.path, ignore_errors=True)
+        self._slots = None  # which slot holds what is read again at the next save
 
     # -- collectives -------------------------------------------------------------
 
@@ -376,37 +570,53 @@ def _global(rank: int, group: dist.ProcessGroup | None) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _write_file(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-    """Write a replica file through a temporary name (no fsync: node memory does not outlive the node)."""
-    temp = f"{path}.tmp"
-    with Checksum() as checksum, open(temp, "wb") as handle:
-        for chunk in chunks:
-            checksum.update(chunk)
-            handle.write(chunk)
-        record = checksum.record()
-    os.replace(temp, path)
-    return record
+def _digest(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _room(size: int) -> int:
+    """All-gather buffer bytes for rank states of ``size`` bytes: the length field, twice the size, whole KiB."""
+    return -(-(_HEAD.size + 2 * size) // 1024) * 1024
+
+
+def _read_manifest(directory: str) -> Manifest | None:
+    """A slot's manifest, or None when it has none that parses with this layer's digest (nothing to trust)."""
+    try:
+        with open(os.path.join(directory, MANIFEST_NAME), "rb") as handle:
+            manifest = Manifest.from_json(handle.read(), directory)
+    except (OSError, CheckpointError):
+        return None
+    return manifest if manifest.hash == HASH else None
+
+
+def _committed_step(directory: str, run_id: str) -> int | None:
+    manifest = _read_manifest(directory)
+    return manifest.step if manifest is not None and manifest.run_id == run_id else None
 
 
 def _read_verified(directory: str, name: str, manifest: Manifest) -> memoryview:
+    """A replica file's bytes (a private copy: the slot may be rewritten later), checked against the manifest."""
     if name not in manifest.files:
         raise CheckpointCorruptError(f"{directory}: {name} is not listed in the replica's manifest")
     path = os.path.join(directory, name)
-    data, found = LocalStorage(directory).read_hashed(path)
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            data = bytearray(size)
+            got = handle.readinto(data)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: cannot be read ({exc})") from exc
     record = manifest.files[name]
-    if (found.size, found.sha256) != (record.size, record.sha256):
-        raise CheckpointCorruptError(f"{path}: does not match the replica's manifest (size or sha256)")
-    return data
+    if (got, _digest(data)) != (record.size, record.digest):
+        raise CheckpointCorruptError(f"{path}: does not match the replica's manifest (size or {HASH})")
+    return memoryview(data)
 
 
 def _checksum_problem(name: str, data: bytes, manifest: Manifest) -> str | None:
     record = manifest.files.get(name)
     if record is None:
         return f"{name} is not listed in the replica's manifest"
-    with Checksum() as checksum:
-        checksum.update(data)
-        found = checksum.record()
-    if (found.size, found.sha256) != (record.size, record.sha256):
+    if (len(data), _digest(data)) != (record.size, record.digest):
         return f"{name} received from a peer does not match the replica's manifest"
     return None
 

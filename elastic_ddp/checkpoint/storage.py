@@ -62,10 +62,11 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """What the manifest says about one data file."""
+    """What the manifest says about one data file: its size and its digest under the manifest's ``hash``
+    (SHA-256 for stored checkpoints; node-memory replicas use XXH3-128)."""
 
     size: int
-    sha256: str
+    digest: str
 
 
 class Checksum:
@@ -111,7 +112,7 @@ class Checksum:
 
     def record(self) -> FileRecord:
         self._finish()
-        return FileRecord(size=self.size, sha256=self._hasher.hexdigest())
+        return FileRecord(size=self.size, digest=self._hasher.hexdigest())
 
     def _hash_queued(self) -> None:
         assert self._queue is not None

@@ -68,7 +68,8 @@ def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, 
 REPLICA_JOB = {
     "script": "examples/train.py",
     "args": ["--optim-warmup-steps", "5", "--global-batch-size", "256", "--model-hidden-dim", "512",
-             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60", "--checkpoint-replica-every", "1"],
+             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60", "--checkpoint-replica-every", "1",
+             "--checkpoint-replica-budget", "0"],
     "max_steps": 300,
     "checkpoint_every": 100,
 }

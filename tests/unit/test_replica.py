@@ -126,3 +126,67 @@ def test_replicas_of_another_checkpoint_location_are_not_candidates(tmp_path: Pa
     replicate(state, node)
     other = CheckpointManager(str(tmp_path / "b"), rank=0, world_size=1, run_id="unit")
     assert other.restore(make_state(seed=1), allow_fresh_start=True, replicas=replicas(tmp_path / "shm", other)) is None
+
+
+def test_a_write_cut_short_leaves_the_previous_replica_whole(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = replicas(tmp_path / "shm", storage)
+    replicate(state, node, 2)
+    at_two = model_digest(state.model.state_dict())
+    # the worker dies after copying step 3 into its slot and before the manifest: the write never happens
+    node._write = lambda *args: None  # type: ignore[method-assign]
+    advance(state, 1)
+    node.save(state)
+    node.wait()
+    assert [held.manifest.step for held in node.held()] == [2]
+    fresh = make_state(seed=1)
+    restored = storage.restore(fresh, replicas=replicas(tmp_path / "shm", storage))
+    assert restored is not None and (restored.step, restored.source) == (2, "replica")
+    assert model_digest(fresh.model.state_dict()) == at_two
+
+
+def test_replicas_are_written_in_place_in_two_slots(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = replicas(tmp_path / "shm", storage)
+    replicate(state, node, 2)
+    files = {held.path: next(Path(held.path).glob("replicated-*")).stat().st_ino for held in node.held()}
+    replicate(state, node, 4)
+    assert [held.manifest.step for held in node.held()] == [6, 5]
+    assert {held.path: next(Path(held.path).glob("replicated-*")).stat().st_ino for held in node.held()} == files
+    assert all(held.manifest.hash == "xxh3-128" for held in node.held())
+
+
+def test_the_interval_grows_so_that_replicas_stay_within_their_budget(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = Replicas(str(tmp_path / "shm"), run_id="unit", checkpoint_uri=storage.uri, rank=0, world_size=1,
+                    local_rank=0, node_rank=0, token=storage.token, every=2, budget=0.03)
+    assert [step for step in range(1, 7) if node.due(step)] == [2, 4, 6]
+    # measured: a replica takes 1 ms of CPU, a training step 10 ms: 3% allows one every 3.3 steps, so every 4
+    node._cost, node._step_time = 0.001, 0.010
+    assert node._proposal() == 4
+    node._measure = lambda step, now: None  # type: ignore[method-assign]
+    advance(state, 2)
+    node.save(state)
+    node.wait()
+    assert node.interval == 4 and [step for step in range(3, 11) if node.due(step)] == [6, 7, 8, 9, 10]
+    unlimited = Replicas(str(tmp_path / "shm2"), run_id="unit", checkpoint_uri=storage.uri, rank=0, world_size=1,
+                         local_rank=0, node_rank=0, token=storage.token, every=2, budget=0.0)
+    unlimited._cost, unlimited._step_time = 0.001, 0.010
+    assert unlimited._proposal() == 2
+
+
+def test_a_stored_checkpoint_must_be_checksummed_with_sha256(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    advance(state, 2)
+    storage.save(state)
+    manifest_path = tmp_path / "ckpt" / "step-00000002" / MANIFEST_NAME
+    body = json.loads(manifest_path.read_bytes())
+    body["hash"] = "xxh3-128"
+    body["files"] = {name: {"size": record["size"], "xxh3-128": "0" * 32} for name, record in body["files"].items()}
+    manifest_path.write_text(json.dumps(body))
+    (info,) = storage.list()
+    assert info.manifest is None and "a stored checkpoint needs sha256" in str(info.problem)

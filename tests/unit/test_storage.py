@@ -74,7 +74,7 @@ def test_write_streams_chunks_and_returns_size_and_sha256(open_view: OpenStorage
     whole = b"".join(bytes(chunk) for chunk in chunks)
     path = storage.join("step-00000001", "replicated-abc.eddp")
     record = storage.write(path, iter(chunks))
-    assert record == FileRecord(size=len(whole), sha256=sha256(whole))
+    assert record == FileRecord(size=len(whole), digest=sha256(whole))
     assert open_view().read(path) == whole
 
 
@@ -86,7 +86,7 @@ def test_read_hashed_returns_the_bytes_with_their_size_and_sha256(open_view: Ope
     storage.write(path, [whole])
     data, record = open_view().read_hashed(path)
     assert bytes(data) == whole
-    assert record == FileRecord(size=size, sha256=sha256(whole))
+    assert record == FileRecord(size=size, digest=sha256(whole))
 
 
 def test_write_behind_hands_each_complete_window_to_the_disk_and_waits_two_behind(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,7 +330,7 @@ def test_s3_multipart_write_is_whole_or_nothing(s3_server: S3Endpoint) -> None:
     record = storage.write(big, chunks(fail=False))
     assert parts_seen == [False, False]
     data = reader.read(big)
-    assert record == FileRecord(size=len(data), sha256=sha256(data)) and len(data) == 6 * MiB + 1024
+    assert record == FileRecord(size=len(data), digest=sha256(data)) and len(data) == 6 * MiB + 1024
 
 
 @pytest.mark.integration
@@ -351,7 +351,7 @@ def test_s3_upload_failing_with_parts_in_flight_is_aborted_and_a_whole_one_reads
     assert not s3_server.filesystem().call_s3("list_multipart_uploads", Bucket=s3_server.bucket).get("Uploads")
     record = storage.write(path, chunks(fail_after=None))
     whole = b"".join(pieces)
-    assert record == FileRecord(size=len(whole), sha256=sha256(whole))
+    assert record == FileRecord(size=len(whole), digest=sha256(whole))
     assert reader.read(path) == whole
 
 
