@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -190,3 +191,59 @@ def test_a_stored_checkpoint_must_be_checksummed_with_sha256(tmp_path: Path) -> 
     manifest_path.write_text(json.dumps(body))
     (info,) = storage.list()
     assert info.manifest is None and "a stored checkpoint needs sha256" in str(info.problem)
+
+
+class _Small:
+    """A CheckpointState whose rank state can grow (for the exchange buffer's size)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.step, self.extra = rank, 0, 0
+
+    def meta(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def replicated_state_dict(self) -> dict[str, Any]:
+        return {"weights": torch.full((4,), float(self.step))}
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "extra": "x" * self.extra}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - not restored here
+        raise AssertionError
+
+
+def _two_ranks(rank: int, root: str, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    node = Replicas(root, run_id="unit", checkpoint_uri="file:///unit", rank=rank, world_size=2, local_rank=0,
+                    node_rank=rank, token="abcdef12", every=1, budget=0.03)
+    state = _Small(rank)
+    seen = []
+    for step in range(1, 17):
+        state.step = step
+        if rank == 1:
+            node._cost, node._step_time = 0.002, 0.010  # this rank measured a dear replica: it asks for 7 steps
+        node._measure = lambda step, now: None  # type: ignore[method-assign]
+        state.extra = 100_000 if step == 8 else 0  # outgrows the exchange buffer once
+        if node.due(step):
+            node.save(state)
+            node.wait()
+            seen.append((step, node.interval, node.stats.written))
+    node.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_largest_interval_and_skip_a_replica_whose_state_outgrew_the_exchange(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_two_ranks, args=(str(tmp_path / "shm"), init, str(tmp_path)), nprocs=2)
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # rank 0 asks for every step, rank 1 for every 7: both take 7 (first replica at step 1, next at 8, then 15)
+    assert seen[0] == seen[1]
+    steps = [step for step, _, _ in seen[0]]
+    assert steps == [1, 8, 15] and all(interval == 7 for _, interval, _ in seen[0])
+    # step 8's rank state did not fit the buffer agreed at step 1: no node wrote that replica; step 15's did
+    assert [written for _, _, written in seen[0]] == [1, 1, 2]
