@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ class Manifest:
     """The digest of every file record (a key of HASHES); the records name it: ``{"size", "sha256"}``."""
 
     def to_json(self) -> bytes:
-        body = asdict(self)
+        body = {item.name: getattr(self, item.name) for item in fields(self)}  # asdict would deep-copy meta
         body["files"] = {name: {"size": record.size, self.hash: record.digest}
                          for name, record in sorted(self.files.items())}
         return json.dumps(body, indent=2, sort_keys=True).encode()
