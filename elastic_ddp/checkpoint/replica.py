@@ -241,12 +241,16 @@ class Replicas:
         """Steps between replicas, agreed by all ranks at each replica (see :meth:`_proposal`)."""
         self._next_due: int | None = None
         self._cost: float | None = None
-        """This rank's CPU seconds per replica (training thread, plus the background write on a node's writer),
-        smoothed: what a replica takes from training when the node has no idle core."""
+        """This rank's seconds per replica, smoothed: its training thread's time outside the all-gather (the copy
+        of the state, a device-to-host copy's wait included) plus, on a node's writer, the background write's CPU
+        time (what it takes from training when the node has no idle core)."""
         self._step_time: float | None = None
         """Seconds per training step between replicas, without the replicas, smoothed."""
         self._previous: tuple[int, float, float, float] | None = None
-        """Step, time, training-thread seconds and CPU seconds of this rank's previous replica."""
+        """Step, time and training-thread seconds of this rank's previous replica, and those seconds without the
+        all-gather (whose wait for the slowest rank is that rank's cost, not this one's)."""
+        self._gather_s = 0.0
+        self._write_failed = False
         self._last_write_cpu_s = 0.0
         self.generation = generation
         self.group = group
@@ -275,11 +279,12 @@ class Replicas:
         started, cpu_started = time.perf_counter(), time.thread_time()
         step = int(state.meta()["step"])
         self._measure(step, started)
+        self._gather_s = 0.0
         try:
             self._save(state, step)
         finally:
             blocking, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
-            self._previous = step, started, blocking, cpu
+            self._previous = step, started, blocking, blocking - self._gather_s
             self.stats.saves += 1
             self.stats.blocking_s += blocking
             self.stats.blocking_cpu_s += cpu
@@ -288,10 +293,10 @@ class Replicas:
         """Fold the previous replica's cost and the steps since it into the smoothed figures."""
         if self._previous is None:
             return
-        previous_step, previous_at, blocking, cpu = self._previous
+        previous_step, previous_at, blocking, own = self._previous
         if step <= previous_step:
             return
-        cost = cpu + self._last_write_cpu_s
+        cost = own + self._last_write_cpu_s
         training = max(now - previous_at - blocking, 0.0) / (step - previous_step)
         if self.stats.saves <= 1:  # the first replica lays its slot out: not what the next ones cost
             self._cost, self._step_time = None, training
@@ -311,10 +316,12 @@ class Replicas:
     def _save(self, state: CheckpointState, step: int) -> None:
         meta = state.meta()
         mine = b"".join(bytes(chunk) for chunk in encode_chunks(flatten(state.rank_state_dict())))
+        gather_started = time.perf_counter()
         everyone, interval = self._all_gather(mine, self._proposal())
+        self._gather_s = time.perf_counter() - gather_started
         self.interval = interval
         self._next_due = step + interval
-        if self._pool is None or everyone is None:
+        if self._pool is None or everyone is None or self._write_failed:
             return
         if self._inflight is not None and not self._inflight.done():
             self.stats.skipped += 1
@@ -329,6 +336,8 @@ class Replicas:
         except (OSError, RuntimeError, ValueError) as exc:  # a full or unwritable replica directory
             slot.release()
             self._warn(exc)
+            # this node stops writing replicas (it keeps taking part in the exchange, which every rank needs)
+            self._write_failed = True
             return
         self._inflight = self._pool.submit(self._write, slot, step, meta, flat.tree, everyone, interval)
 
@@ -398,7 +407,7 @@ class Replicas:
         if not self._warned:
             self._warned = True
             logger.warning("rank %d: writing a replica under %s failed (%s); training goes on without it, and a "
-                           "restart falls back to the other replica or to storage", self.rank, self.own, error)
+                           "restart falls back to another node's replica or to storage", self.rank, self.own, error)
 
     def wait(self) -> None:
         """Return once the write in flight is done (tests, and the end of a run)."""

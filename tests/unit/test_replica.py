@@ -247,3 +247,16 @@ def test_ranks_agree_on_the_largest_interval_and_skip_a_replica_whose_state_outg
     assert steps == [1, 8, 15] and all(interval == 7 for _, interval, _ in seen[0])
     # step 8's rank state did not fit the buffer agreed at step 1: no node wrote that replica; step 15's did
     assert [written for _, _, written in seen[0]] == [1, 1, 2]
+
+
+def test_a_node_that_cannot_write_replicas_warns_once_and_trains_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the replica directory should be")
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = replicas(blocked, storage)
+    with caplog.at_level("WARNING"):
+        replicate(state, node, 3)
+    assert node.stats.saves == 3 and node.stats.written == 0
+    assert len([r for r in caplog.records if "writing a replica" in r.getMessage()]) == 1
+    assert node.held() == []
