@@ -63,7 +63,7 @@ from elastic_ddp.checkpoint.manager import (
     gather_to_main,
 )
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, Manifest, rank_file_name, replicated_file_name
-from elastic_ddp.checkpoint.storage import FileRecord
+from elastic_ddp.checkpoint.storage import FileRecord, uninitialised
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError
 from elastic_ddp.events import Event, EventLog
 
@@ -611,14 +611,16 @@ def _read_verified(directory: str, name: str, manifest: Manifest) -> memoryview:
     try:
         with open(path, "rb", buffering=0) as handle:
             size = os.fstat(handle.fileno()).st_size
-            data = bytearray(size)
-            got = handle.readinto(data)
+            data = uninitialised(size)
+            got = 0
+            while got < size and (count := handle.readinto(data[got:])):
+                got += count
     except OSError as exc:
         raise CheckpointCorruptError(f"{path}: cannot be read ({exc})") from exc
     record = manifest.files[name]
-    if (got, _digest(data)) != (record.size, record.digest):
+    if (got, _digest(data[:got])) != (record.size, record.digest):
         raise CheckpointCorruptError(f"{path}: does not match the replica's manifest (size or {HASH})")
-    return memoryview(data)
+    return data[:got]
 
 
 def _checksum_problem(name: str, data: bytes, manifest: Manifest) -> str | None:

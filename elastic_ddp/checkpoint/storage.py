@@ -215,7 +215,7 @@ class LocalStorage:
         with _local_errors("read", path):
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
-                view = _buffer(size)
+                view = uninitialised(size)
                 got = 0
                 with Checksum() as checksum:
                     while got < size:
@@ -262,7 +262,7 @@ def _local_errors(action: str, path: str) -> Iterator[None]:
         raise CheckpointStorageError(f"cannot {action} {path}: {exc}") from exc
 
 
-def _buffer(size: int) -> memoryview:
+def uninitialised(size: int) -> memoryview:
     """Writable, uninitialised memory for ``size`` bytes of a file (only the bytes read are ever exposed).
 
     It comes from torch's CPU allocator: reading 805 MB from the page cache into it takes
