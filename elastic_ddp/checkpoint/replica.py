@@ -63,7 +63,7 @@ from elastic_ddp.checkpoint.manager import (
     gather_to_main,
 )
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, Manifest, rank_file_name, replicated_file_name
-from elastic_ddp.checkpoint.storage import FileRecord, uninitialised
+from elastic_ddp.checkpoint.storage import FileRecord, lower_thread_priority, uninitialised
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError
 from elastic_ddp.events import Event, EventLog
 
@@ -258,7 +258,9 @@ class Replicas:
         self._capacity = 0
         """Bytes per rank of the all-gather of the ranks' own state (agreed at the first save)."""
         self._slots: list[_Slot] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-writer") if self.writer else None
+        # the writer yields the CPU to training (a late write only means a skipped replica, never a wait)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="replica-writer", initializer=lower_thread_priority) \
+            if self.writer else None
         self._inflight: Future[None] | None = None
         self._warned = False
         self.stats = ReplicaStats()
