@@ -296,8 +296,14 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     def forget_restored_state() -> None:  # a restoring job starts with no optimizer state (untimed)
         target_state.optimizer.state.clear()
 
+    def torch_load_into_state() -> None:  # what a hand-written restore does: read, then load into model and optimizer
+        loaded = torch.load(torch_file, weights_only=True)
+        target_state.model.load_state_dict(loaded["model"])
+        target_state.optimizer.load_state_dict(loaded["optim"])
+
     readers = {
         "torch": (lambda: torch.load(torch_file, weights_only=True), None),
+        "torch-into-state": (torch_load_into_state, forget_restored_state),
         "safetensors": (lambda: load_file(safetensors_file, backend="pread"), None),
         "safetensors-mmap": (lambda: load_file(safetensors_file), None),
         "ours": (lambda: manager.restore(target_state), forget_restored_state),
@@ -314,8 +320,13 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
         f"{ratio_spread(times['safetensors'], times['torch'])} torch.load; {spread(times['safetensors'])}; "
         f"{cpu_note('safetensors')}")
     row("safetensors load_file (mmap: reads on first use)", t["safetensors-mmap"], nbytes, spread(times["safetensors-mmap"]))
+    row("torch.load + load_state_dict into model and optimizer", t["torch-into-state"], nbytes,
+        f"{ratio_spread(times['torch-into-state'], times['torch'])} torch.load; {spread(times['torch-into-state'])}; "
+        f"{cpu_note('torch-into-state')}")
     row("elastic_ddp restore (verify sha256 + load)", t["ours"], nbytes,
-        f"{ratio_spread(times['ours'], times['torch'])} torch.load; {spread(times['ours'])}; {cpu_note('ours')}")
+        f"{ratio_spread(times['ours'], times['torch'])} torch.load; "
+        f"{ratio_spread(times['ours'], times['torch-into-state'])} torch.load + load_state_dict; "
+        f"{spread(times['ours'])}; {cpu_note('ours')}")
     print("  (CPU: seconds of CPU time of the process, all threads; restore hashes on a second thread while it reads)")
 
 
