@@ -77,7 +77,7 @@ def unavailable() -> str:
 
 def sh(*command: str, input_text: str | None = None, check: bool = True) -> str:
     """Run one command; its stdout. A failure raises NetnsError with the command and its stderr."""
-    result = subprocess.run(command, input=input_text, capture_output=True, text=True)
+    result = subprocess.run(command, check=False, input=input_text, capture_output=True, text=True)
     if check and result.returncode != 0:
         raise NetnsError(f"{' '.join(command)}: exit {result.returncode}: {result.stderr.strip()}")
     return result.stdout
@@ -104,7 +104,7 @@ def call_in(namespace: str, function: Callable[[], T]) -> T:
             finally:
                 os.close(fd)
             outcome["value"] = function()
-        except BaseException as exc:  # handed to the caller's thread below
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
             outcome["error"] = exc
 
     thread = threading.Thread(target=enter_and_call, name=f"netns-{namespace}", daemon=True)
@@ -220,9 +220,21 @@ class Fabric:
         elements = ", ".join(f"{src} . {dst} timeout {int(ttl_s)}s" for src, dst in pairs)
         self.in_fab("nft", "add", "element", "bridge", "edp", "cut", "{ " + elements + " }")
 
+    def unpartition(self, sources: list[str], destinations: list[str]) -> None:
+        """Undo :meth:`partition` for these hosts (elements already gone are skipped)."""
+        for a in sources:
+            for b in destinations:
+                if a != b:
+                    element = f"{{ {self.hosts[a].address} . {self.hosts[b].address} }}"
+                    sh(*exec_prefix(self.fab), "nft", "delete", "element", "bridge", "edp", "cut", element, check=False)
+
     def heal(self) -> None:
         """Undo every partition and every loss rule."""
         self.in_fab("nft", "flush", "set", "bridge", "edp", "cut")
+        self.no_loss()
+
+    def no_loss(self) -> None:
+        """Remove every :meth:`packet_loss` rule."""
         self.in_fab("nft", "flush", "chain", "bridge", "edp", "loss")
 
     def packet_loss(self, sources: list[str], destinations: list[str], percent: float) -> None:
