@@ -671,6 +671,35 @@ class PacketLoss(NetworkFault):
         return [FollowUp(self.spec.duration_s, end, True)]
 
 
+class Latency(NetworkFault):
+    """Delay every packet between a node and its peers by ``delay_ms`` ± ``jitter_ms`` (one way, on the receiving
+    host: an NFQUEUE delay line, :mod:`chaos.delayline`); removed after ``duration_s`` (if given) or by ``heal``."""
+
+    kind = "latency"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        links = self.links(env)
+        if links is None:
+            return []
+        fabric = self.fabric(env)
+        receivers = []
+        for sources, destinations in links[1]:
+            for receiver in destinations:
+                fabric.latency(receiver, sources, self.spec.delay_ms, self.spec.jitter_ms)
+                receivers.append(receiver)
+        jitter = f" ± {self.spec.jitter_ms:g}" if self.spec.jitter_ms else ""
+        self.describe(f"+{self.spec.delay_ms:g}{jitter} ms")
+        if not self.spec.duration_s:
+            return []
+
+        def end() -> str:
+            for receiver in receivers:
+                fabric.no_latency(receiver)
+            return "latency removed"
+
+        return [FollowUp(self.spec.duration_s, end, True)]
+
+
 class Bandwidth(NetworkFault):
     """Limit a node's link to ``rate_mbit`` each way (tbf); lifted after ``duration_s`` (if given) or by ``heal``."""
 
@@ -696,7 +725,7 @@ class Bandwidth(NetworkFault):
 
 
 class Heal(NetworkFault):
-    """Undo every partition, loss rule and rate limit on the bridge."""
+    """Undo every partition, loss rule, delay and rate limit."""
 
     kind = "heal"
 
@@ -705,8 +734,10 @@ class Heal(NetworkFault):
         fabric.heal()
         for name in fabric.hosts:
             fabric.unlimited(name)
+        for name in list(fabric.delay_lines):
+            fabric.no_latency(name)
         self.record.target = "network"
-        self.record.detail = "every partition, loss rule and rate limit removed"
+        self.record.detail = "every partition, loss rule, delay and rate limit removed"
         return []
 
 
@@ -714,7 +745,7 @@ FAULT_CLASSES: dict[str, type[Fault]] = {
     cls.kind: cls
     for cls in (KillWorker, CrashWorker, KillNode, KillDuringSave, PreemptNode, RemoveNode, SpotNotice, HangWorker,
                 HangNode, AddNode, RestartEtcd, KillEtcdLeader, StorageOutage, SlowStorage, CorruptCheckpoint,
-                Partition, PacketLoss, Bandwidth, Heal)
+                Partition, PacketLoss, Latency, Bandwidth, Heal)
 }
 
 

@@ -14,6 +14,10 @@ Faults act in the fabric namespace, on the bridge, so neither end's stack sees a
 - ``packet-loss``: a rule per (src, dst) pair dropping ``numgen random mod 100 < P`` of the packets.
 - ``bandwidth``: ``tbf`` on the host's fabric port (traffic to the host) and on its ``eth0``
   (traffic from it).
+- ``latency``: the kernel has no ``netem``, so an iptables ``NFQUEUE`` rule on the receiving host's INPUT
+  (this kernel has the xt target but not nft's ``queue``) hands the packets it gets from chosen peers to
+  :mod:`chaos.delayline`, which accepts each one after the delay (``--queue-bypass``: if the delay
+  line dies, packets pass undelayed).
 
 Teardown (:meth:`Fabric.close`, also on interpreter exit): for each namespace the harness
 created, by name, its processes (``ip netns pids``) get SIGTERM, then SIGKILL, then the name is
@@ -34,6 +38,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -46,6 +51,7 @@ from chaos.scenario import ChaosError
 
 logger = logging.getLogger(__name__)
 
+REPO = Path(__file__).resolve().parents[1]
 PREFIX = "edp-"
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
 IFNAME = "eth0"
@@ -69,9 +75,9 @@ def unavailable() -> str:
     """Why hosts in namespaces cannot run here ("" when they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    missing = [tool for tool in ("ip", "nft", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "nft", "tc", "iptables") if shutil.which(tool) is None]
     if missing:
-        return f"missing {', '.join(missing)} (Debian: apt-get install iproute2 nftables; scripts/setup.sh does)"
+        return f"missing {', '.join(missing)} (Debian: apt-get install iproute2 nftables iptables; scripts/setup.sh does)"
     return ""
 
 
@@ -161,6 +167,8 @@ class Fabric:
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: dict[str, Host] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
+    delay_lines: dict[str, subprocess.Popen] = field(default_factory=dict)
+    """Host name -> its running :mod:`chaos.delayline` (see :meth:`latency`)."""
     closed: bool = False
 
     @property
@@ -258,6 +266,40 @@ class Fabric:
         for namespace, device in ((self.fab, self.hosts[name].port), (self.hosts[name].namespace, IFNAME)):
             sh(*exec_prefix(namespace), "tc", "qdisc", "del", "dev", device, "root", check=False)
 
+    def latency(self, name: str, sources: list[str], delay_ms: float, jitter_ms: float = 0.0) -> None:
+        """Delay every packet host ``name`` receives from ``sources`` by ``delay_ms`` ± ``jitter_ms`` (uniform):
+        an iptables NFQUEUE rule in its namespace (``--queue-bypass``) and :mod:`chaos.delayline` holding the verdicts.
+        One direction only, as on a slow inbound link: the round trip to each source grows by ``delay_ms``."""
+        self.no_latency(name)
+        host = self.hosts[name]
+        addresses = ",".join(self.hosts[source].address for source in sources if source != name)
+        if not addresses:
+            return
+        sh(*exec_prefix(host.namespace), "iptables", "-w", "-A", "INPUT", "-s", addresses, "-j", "NFQUEUE",
+           "--queue-num", str(DELAY_QUEUE), "--queue-bypass")
+        line = subprocess.Popen(
+            [*exec_prefix(host.namespace), sys.executable, "-m", "chaos.delayline", str(DELAY_QUEUE),
+             str(delay_ms), str(jitter_ms)],
+            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self.delay_lines[name] = line
+        assert line.stdout is not None
+        if line.stdout.readline().strip() != "bound":  # it exited: its error is on stderr
+            self.no_latency(name)
+            raise NetnsError(f"the delay line of {host.namespace} did not bind NFQUEUE {DELAY_QUEUE}")
+
+    def no_latency(self, name: str) -> None:
+        """Remove :meth:`latency` from host ``name``: the queue rule first, then the delay line (SIGTERM)."""
+        sh(*exec_prefix(self.hosts[name].namespace), "iptables", "-w", "-F", "INPUT", check=False)
+        line = self.delay_lines.pop(name, None)
+        if line is not None:
+            line.terminate()
+            try:
+                line.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                line.kill()
+                line.wait()
+
     def cut_elements(self) -> list[tuple[str, str]]:
         """The (source, destination) addresses currently cut."""
         listing = self.in_fab("nft", "-j", "list", "set", "bridge", "edp", "cut")
@@ -278,6 +320,8 @@ class Fabric:
         if self.closed:
             return
         self.closed = True
+        for name in list(self.delay_lines):
+            self.no_latency(name)
         for namespace in [name for name in self.created if name != self.fab] + [self.fab]:
             if namespace in self.created:
                 remove_namespace(namespace)
@@ -306,6 +350,10 @@ table bridge edp {
     }
 }
 """
+
+
+DELAY_QUEUE = 7
+"""The NFQUEUE number of a host's delay line (one per namespace, so one number serves all)."""
 
 
 def clean_orphans() -> list[str]:

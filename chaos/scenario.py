@@ -103,6 +103,7 @@ FAULT_KINDS: dict[str, FaultKind] = {
     "partition": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
     "packet-loss": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
     "bandwidth": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
+    "latency": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
     "heal": FaultKind(targets=(), needs="namespaces"),
 }
 """Every fault a scenario may schedule (implemented in :mod:`chaos.faults`)."""
@@ -155,15 +156,19 @@ class FaultSpec:
     mode: str = "flip"
     """corrupt-checkpoint: ``flip`` one byte or ``truncate`` a data file of the newest committed checkpoint."""
     peers: str = "all"
-    """partition, packet-loss: the other side of the target node's links: ``nodes`` (every other node),
+    """partition, packet-loss, latency: the other side of the target node's links: ``nodes`` (every other node),
     ``etcd`` (every etcd member), ``storage`` (the S3 endpoint), ``all`` (all of them) or ``node:N``."""
     direction: str = "both"
-    """partition, packet-loss: ``both``; ``out`` (only what the target sends is dropped) or ``in`` (only
+    """partition, packet-loss, latency: ``both``; ``out`` (only what the target sends is dropped) or ``in`` (only
     what it receives)."""
     percent: float = 5.0
     """packet-loss: the share of packets dropped at random, in percent."""
     rate_mbit: float = 10.0
     """bandwidth: the target node's link rate each way, in Mbit/s."""
+    delay_ms: float = 50.0
+    """latency: milliseconds added to every packet (one way) between the target node and its peers."""
+    jitter_ms: float = 0.0
+    """latency: each packet's delay is drawn uniformly from delay_ms ± jitter_ms."""
     label: str = ""
     """A name for reports; defaults to the kind and its position."""
 
@@ -358,6 +363,8 @@ def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
         direction=reader.choice("direction", ("both", "out", "in"), "both"),
         percent=reader.number("percent", default=5.0, minimum=0.01),
         rate_mbit=reader.number("rate_mbit", default=10.0, minimum=0.01),
+        delay_ms=reader.number("delay_ms", default=50.0, minimum=0.0),
+        jitter_ms=reader.number("jitter_ms", default=0.0, minimum=0.0),
         label=reader.string("label") or f"{index}:{kind}",
     )
     reader.reject_unknown()
@@ -417,6 +424,8 @@ def fault_problems(faults: tuple[FaultSpec, ...], cluster: ClusterConfig) -> lis
             problems.append(f"{key}: needs cluster.network = 'namespaces'")
         if fault.kind == "packet-loss" and fault.percent > 100:
             problems.append(f"{key}.percent: must be <= 100, got {fault.percent:g}")
+        if fault.jitter_ms > fault.delay_ms:
+            problems.append(f"{key}.jitter_ms: must be <= delay_ms ({fault.delay_ms:g}), got {fault.jitter_ms:g}")
         if fault.peers == "storage" and cluster.checkpoint != "s3":
             problems.append(f"{key}.peers: 'storage' needs cluster.checkpoint = 's3' (local checkpoints have no endpoint)")
         trigger = fault.trigger

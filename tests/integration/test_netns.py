@@ -126,3 +126,35 @@ def test_the_janitor_removes_namespaces_whose_owner_is_gone_and_keeps_live_ones(
         assert fabric.hosts["n0"].namespace in existing_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", orphan], check=False, capture_output=True)
+
+
+def test_latency_delays_what_a_host_receives_until_it_is_removed(fabric: Fabric) -> None:
+    for name in ("n0", "n1"):
+        fabric.add_host(name)
+    with listen(fabric, "n1") as server:
+        client = call_in(fabric.hosts["n0"].namespace,
+                         lambda: socket.create_connection((fabric.hosts["n1"].address, PORT), timeout=5))
+        peer, _ = server.accept()
+        with client, peer:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            assert round_trip_s(client, peer) < 0.02
+            fabric.latency("n1", ["n0"], delay_ms=40)
+            assert 0.04 <= round_trip_s(client, peer) < 0.2
+            fabric.no_latency("n1")
+            assert round_trip_s(client, peer) < 0.02
+    assert not fabric.delay_lines
+
+
+def round_trip_s(client: socket.socket, peer: socket.socket, count: int = 5) -> float:
+    """The median time for one byte to go from client to peer and back."""
+    import time
+
+    times = []
+    for _ in range(count):
+        started = time.monotonic()
+        client.sendall(b"x")
+        peer.sendall(peer.recv(1))
+        client.recv(1)
+        times.append(time.monotonic() - started)
+    return sorted(times)[count // 2]
