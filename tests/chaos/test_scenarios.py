@@ -190,3 +190,37 @@ def test_a_long_mixed_scenario_passes_every_check(name: str, tmp_path: Path, cac
 def test_a_single_fault_scenario_passes_every_check(name: str, tmp_path: Path, cache_dir: Path) -> None:
     _, checks, text = run(load_scenario(name), tmp_path, cache_dir)
     assert not failures(checks), text
+
+
+def median_step_s(facts: RunFacts, start: float, end: float) -> float:
+    times = sorted(step.step_time_s for step in facts.steps if start <= step.time < end)
+    assert times, f"no step between {start:.0f} and {end:.0f}"
+    return times[len(times) // 2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
+def test_loss_and_latency_slow_the_job_but_lose_nothing(tmp_path: Path, cache_dir: Path) -> None:
+    """lossy-link: 5 % loss and 50 ms on node1's links, then 20 Mbit/s: steps take longer, no restart, every check
+    passes."""
+    facts, checks, text = run(load_scenario("lossy-link"), tmp_path, cache_dir)
+    assert not failures(checks), text
+    loss, latency, bandwidth = facts.faults
+    assert loss.ended_at is not None and bandwidth.ended_at is not None, text
+    before = median_step_s(facts, facts.started_at, loss.fired_at)
+    assert median_step_s(facts, latency.fired_at, loss.ended_at) > 5 * before, text
+    assert median_step_s(facts, bandwidth.fired_at, bandwidth.ended_at) > before, text
+    assert not [event for event in facts.events if event.kind == "resumed"], "a restart under loss\n" + text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
+def test_a_node_cut_off_from_etcd_only_keeps_training_and_rejoins_after_the_heal(tmp_path: Path, cache_dir: Path) -> None:
+    """partition-etcd: node1 loses etcd, not its peer, for 30 s: steps go on at world size 2 during the cut; every
+    check passes."""
+    facts, checks, text = run(load_scenario("partition-etcd"), tmp_path, cache_dir)
+    assert not failures(checks), text
+    (cut,) = facts.faults
+    assert cut.ended_at is not None, text
+    during = [step for step in facts.steps if cut.fired_at + 5 < step.time < cut.ended_at]
+    assert len(during) > 100 and {step.world_size for step in during} == {2}, text
