@@ -216,7 +216,7 @@ def test_loss_and_latency_slow_the_job_but_lose_nothing(tmp_path: Path, cache_di
 @pytest.mark.slow
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
 def test_a_node_cut_off_from_etcd_only_keeps_training_and_rejoins_after_the_heal(tmp_path: Path, cache_dir: Path) -> None:
-    """partition-etcd: node1 loses etcd, not its peer, for 30 s: steps go on at world size 2 during the cut; every
+    """partition-etcd: node1 loses etcd, not its peer, for 20 s: steps go on at world size 2 during the cut; every
     check passes."""
     facts, checks, text = run(load_scenario("partition-etcd"), tmp_path, cache_dir)
     assert not failures(checks), text
