@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ipaddress
+import json
 import logging
 import os
 import shutil
@@ -97,7 +98,8 @@ def exec_prefix(namespace: str) -> list[str]:
 def call_in(namespace: str, function: Callable[[], T]) -> T:
     """``function()`` run in a thread that entered ``namespace``: sockets it creates live there (and keep
     working from any thread afterwards). The calling thread's own namespace is untouched."""
-    outcome: dict[str, object] = {}
+    results: list[T] = []
+    errors: list[BaseException] = []
 
     def enter_and_call() -> None:
         try:
@@ -105,20 +107,19 @@ def call_in(namespace: str, function: Callable[[], T]) -> T:
             fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
             try:
                 if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    errno = ctypes.get_errno()
-                    raise NetnsError(f"setns into {namespace}: {os.strerror(errno)}")
+                    raise NetnsError(f"setns into {namespace}: {os.strerror(ctypes.get_errno())}")
             finally:
                 os.close(fd)
-            outcome["value"] = function()
+            results.append(function())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
-            outcome["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=enter_and_call, name=f"netns-{namespace}", daemon=True)
     thread.start()
     thread.join()
-    if "error" in outcome:
-        raise outcome["error"]  # type: ignore[misc]
-    return outcome["value"]  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 def namespace_pids(namespace: str) -> list[int]:
@@ -303,8 +304,6 @@ class Fabric:
     def cut_elements(self) -> list[tuple[str, str]]:
         """The (source, destination) addresses currently cut."""
         listing = self.in_fab("nft", "-j", "list", "set", "bridge", "edp", "cut")
-        import json
-
         pairs = []
         for item in json.loads(listing)["nftables"]:
             for element in item.get("set", {}).get("elem", []):
