@@ -12,7 +12,8 @@ Every rank takes part; rank 0 prints the report. What it measures, in order:
    with ``--rdzv-endpoint`` a TCP dial and etcd's ``/health`` on each endpoint.
 2. **TCP matrix**: every rank listens on the address it reaches the store from; every rank dials
    every other (``--dial-timeout-s``) and times a 1-byte echo: cells OK, REFUSED or TIMEOUT.
-3. **Compute**: a fixed matmul loop per rank (stragglers by local work, not by waiting in collectives).
+3. **Compute**: a fixed matmul loop on each rank in turn, best of 5 (stragglers by local work, not by
+   waiting in collectives, and not by ranks of one machine competing for its cores).
 4. **All-reduce** of each size in ``--sizes-kib`` on all ranks, reported as nccl-tests does:
    algbw = bytes / time, busbw = algbw × 2(n−1)/n; and the same per pair of nodes (their first ranks).
 
@@ -329,7 +330,8 @@ def check_endpoint(endpoint: str, timeout_s: float) -> str:
 
 
 def compute_ms(repeats: int = 5) -> float:
-    """The median time of a fixed matmul loop on this rank."""
+    """The best of ``repeats`` timings of a fixed matmul loop on this rank (the best: a straggler is slow every
+    time, a busy neighbour only sometimes)."""
     import torch
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
@@ -339,7 +341,20 @@ def compute_ms(repeats: int = 5) -> float:
         for _ in range(20):
             a = (a @ b).tanh_()
         times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+    return min(times) * 1000
+
+
+def compute_each_in_turn(rank: int, world_size: int) -> float:
+    """:func:`compute_ms` on one rank at a time (the others wait in a barrier), so ranks sharing a machine do
+    not slow each other down and only a rank that is slow by itself stands out."""
+    import torch.distributed as dist
+
+    own = 0.0
+    for turn in range(world_size):
+        dist.barrier()
+        if turn == rank:
+            own = compute_ms()
+    return own
 
 
 def measure(config: DoctorConfig) -> Measurements:
@@ -372,7 +387,8 @@ def measure(config: DoctorConfig) -> Measurements:
         rtts = _gather(torch.tensor([rtt for _, rtt in row], dtype=torch.float64), n)
         m.cells = [[int(value) for value in line] for line in cells]
         m.rtt_ms = [[float(value) for value in line] for line in rtts]
-        m.compute_ms = [float(value) for value in _gather(torch.tensor([compute_ms()], dtype=torch.float64), n)[:, 0]]
+        own_ms = compute_each_in_turn(env.rank, n)
+        m.compute_ms = [float(value) for value in _gather(torch.tensor([own_ms], dtype=torch.float64), n)[:, 0]]
         for size_kib in config.sizes_kib:
             m.allreduce.append(_time_allreduce(size_kib * 1024, config, n, None))
         m.pairs = _pairs(m, config)
