@@ -12,8 +12,8 @@ Every rank takes part; rank 0 prints the report. What it measures, in order:
    with ``--rdzv-endpoint`` a TCP dial and etcd's ``/health`` on each endpoint.
 2. **TCP matrix**: every rank listens on the address it reaches the store from; every rank dials
    every other (``--dial-timeout-s``) and times a 1-byte echo: cells OK, REFUSED or TIMEOUT.
-3. **Compute**: a fixed matmul loop on each rank in turn, best of 5 (stragglers by local work, not by
-   waiting in collectives, and not by ranks of one machine competing for its cores).
+3. **Compute**: a fixed matmul loop, the ranks taking turns, best of 30 rounds (stragglers by local work,
+   not by waiting in collectives, and not by ranks of one machine competing for its cores).
 4. **All-reduce** of each size in ``--sizes-kib`` on all ranks, reported as nccl-tests does:
    algbw = bytes / time, busbw = algbw × 2(n−1)/n; and the same per pair of nodes (their first ranks).
 
@@ -329,32 +329,33 @@ def check_endpoint(endpoint: str, timeout_s: float) -> str:
     return f"OK {dialled_ms:.1f} ms" if health == "true" else f"etcd /health says {health!r}"
 
 
-def compute_ms(repeats: int = 5) -> float:
-    """The best of ``repeats`` timings of a fixed matmul loop on this rank (the best: a straggler is slow every
-    time, a busy neighbour only sometimes)."""
+COMPUTE_ROUNDS = 30
+"""Timings of the compute loop per rank; the doctor keeps each rank's best."""
+
+
+def compute_once(a: Any, b: Any) -> float:
+    """Milliseconds for a fixed loop of 256x256 matmuls."""
+    started = time.perf_counter()
+    for _ in range(20):
+        a = (a @ b).tanh_()
+    return (time.perf_counter() - started) * 1000
+
+
+def compute_each_in_turn(rank: int, world_size: int, rounds: int = COMPUTE_ROUNDS) -> float:
+    """This rank's best :func:`compute_once` over ``rounds`` rounds in which the ranks take turns (the others wait in
+    a barrier): ranks sharing a machine do not slow each other down, a passing load elsewhere on the machine hits
+    every rank's timings alike, and only a rank that is slow every time stands out."""
     import torch
-
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(20):
-            a = (a @ b).tanh_()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1000
-
-
-def compute_each_in_turn(rank: int, world_size: int) -> float:
-    """:func:`compute_ms` on one rank at a time (the others wait in a barrier), so ranks sharing a machine do
-    not slow each other down and only a rank that is slow by itself stands out."""
     import torch.distributed as dist
 
-    own = 0.0
-    for turn in range(world_size):
-        dist.barrier()
-        if turn == rank:
-            own = compute_ms()
-    return own
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    best = float("inf")
+    for _ in range(rounds):
+        for turn in range(world_size):
+            dist.barrier()
+            if turn == rank:
+                best = min(best, compute_once(a, b))
+    return best
 
 
 def measure(config: DoctorConfig) -> Measurements:
