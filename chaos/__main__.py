@@ -6,6 +6,8 @@
   python -m chaos demo [--report-dir DIR]           the 'demo' scenario (about a minute), then its report
   python -m chaos launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] [--nodes-start N] -- SCRIPT ARGS...
                                                     a local elastic job (embedded etcd unless --etcd)
+  python -m chaos clean                             remove the network namespaces (edp-*) of runs whose
+                                                    process is gone (a killed harness's leftovers)
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_run(args)
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    from chaos.netns import clean_orphans, unavailable
+
+    why = unavailable()
+    if why:
+        print(f"chaos clean: nothing to do: {why}", file=sys.stderr)
+        return 0
+    for namespace in clean_orphans():
+        print(f"removed {namespace}")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     return launch_command.launch(args)
 
@@ -78,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--cache-dir", default="", help=f"reference runs (default {default_cache_dir()})")
     run.set_defaults(func=cmd_run)
     demo.set_defaults(func=cmd_demo)
+    commands.add_parser("clean", help="remove network namespaces left by runs whose process is gone").set_defaults(
+        func=cmd_clean)
     launch = commands.add_parser("launch", help="a local elastic job of simulated nodes")
     launch_command.add_arguments(launch)
     launch.set_defaults(func=cmd_launch)

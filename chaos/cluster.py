@@ -8,6 +8,11 @@ nodes rendezvous on 127.0.0.1 through ``c10d`` or ``etcd-v3``. Nodes can be adde
 while the job runs. :meth:`LocalCluster.close` stops every process it started, by process
 group and pid, on every exit path (use it as a context manager; Ctrl-C included).
 
+With a :class:`~chaos.netns.Fabric` every node runs in a network namespace of its own (host ``n<i>``, its
+own address on the harness's bridge, gloo bound to its ``eth0``) and rendezvous through etcd-v3 only, so
+network faults can cut, slow or thin its links; the agent's ``--local-addr`` (hence the workers'
+``MASTER_ADDR``) is that address.
+
 The runtime never imports this package: chaos drives jobs only from the outside.
 """
 
@@ -24,6 +29,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from chaos.netns import IFNAME, Fabric, exec_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +67,14 @@ class JobSpec:
     """Start workers through :mod:`elastic_ddp.prefork` (a per-node fork server that imported torch
     once), so a restart does not pay for Python importing torch again."""
 
-    def torchrun_command(self, extra_args: Sequence[str] = ()) -> list[str]:
+    def torchrun_command(self, extra_args: Sequence[str] = (), local_addr: str = HOST) -> list[str]:
         conf = ",".join(f"{key}={value}" for key, value in self.rdzv_conf.items())
         command = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
             f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.rdzv_endpoint}",
             f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
-            f"--monitor-interval={self.monitor_interval_s}", "--local-addr", HOST,
+            f"--monitor-interval={self.monitor_interval_s}", "--local-addr", local_addr,
         ]
         if conf:
             command.append(f"--rdzv-conf={conf}")
@@ -79,7 +86,7 @@ class Node:
     """One simulated node: a torchrun agent in its own process group, its output in a log file."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
-                 prefork_script: str = "", replica_dir: Path | None = None) -> None:
+                 prefork_script: str = "", replica_dir: Path | None = None, prestart_fork_server: bool = True) -> None:
         self.name = name
         self.replica_dir = replica_dir
         """This node's memory for replicas (``ELASTIC_DDP_REPLICA_DIR``): nodes of one machine must not share it."""
@@ -88,6 +95,9 @@ class Node:
         self.log_path = log_path
         self.prefork_script = prefork_script
         """The script of a job run through :mod:`elastic_ddp.prefork`: its fork server starts with the agent."""
+        self.prestart_fork_server = prestart_fork_server
+        """Start the fork server here, with the agent. False for a node in a network namespace: the server's
+        abstract unix socket belongs to the namespace it binds in, so the node's first launcher starts it there."""
         self.process: subprocess.Popen | None = None
         self.fork_server: subprocess.Popen | None = None
         self.started_at = 0.0
@@ -102,7 +112,7 @@ class Node:
         finally:
             log.close()
         self.started_at = time.monotonic()
-        if self.prefork_script:  # importing torch overlaps the agent's rendezvous, not the workers' start
+        if self.prefork_script and self.prestart_fork_server:  # importing torch overlaps the rendezvous
             from elastic_ddp.prefork import start_server
 
             self.fork_server = start_server(self.process.pid, self.prefork_script, self.env)
@@ -191,6 +201,11 @@ class Node:
             self.fork_server.wait(timeout=30)
 
 
+def host_name(node_name: str) -> str:
+    """The fabric host of a node: ``node3`` runs in host ``n3`` (namespace ``edp-R-n3``)."""
+    return "n" + node_name.removeprefix("node")
+
+
 def _accepts(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -248,10 +263,14 @@ def _read_proc(pid: int, name: str) -> str | None:
 class LocalCluster:
     """Start, grow, shrink and stop a job of simulated nodes on this machine."""
 
-    def __init__(self, spec: JobSpec, workdir: Path) -> None:
+    def __init__(self, spec: JobSpec, workdir: Path, fabric: Fabric | None = None) -> None:
         self.spec = spec
         self.workdir = workdir
+        self.fabric = fabric
+        """With a fabric, every node runs in a network namespace of its own (host ``n<i>``, see :mod:`chaos.netns`)."""
         self.nodes: list[Node] = []
+        if fabric is not None and spec.rdzv_backend != "etcd-v3":
+            raise ValueError("nodes in network namespaces rendezvous through etcd-v3 (c10d's store lives in node0's agent)")
         if not spec.rdzv_endpoint:
             spec.rdzv_endpoint = f"{HOST}:{free_port()}"
 
@@ -284,10 +303,15 @@ class LocalCluster:
         """
         name = f"node{len(self.nodes)}"
         replica_dir = self.workdir / "node-memory" / name
-        node = Node(name, self.spec.torchrun_command(extra_args),
-                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), **(env or {})},
+        command, network_env = self.spec.torchrun_command(extra_args), {}
+        if self.fabric is not None:
+            where = self.fabric.add_host(host_name(name))
+            command = exec_prefix(where.namespace) + self.spec.torchrun_command(extra_args, local_addr=where.address)
+            network_env = {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
+        node = Node(name, command,
+                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), **network_env, **(env or {})},
                     self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "",
-                    replica_dir=replica_dir)
+                    replica_dir=replica_dir, prestart_fork_server=self.fabric is None)
         self.nodes.append(node.start())
         if self.spec.rdzv_backend == "c10d" and len(self.nodes) == 1:
             host, port = self.spec.rdzv_endpoint.rsplit(":", 1)

@@ -11,7 +11,8 @@ processes (``tests/fixtures/etcd_proc.py`` re-exports this module)::
     finally:
         server.stop()
 
-Every server binds only 127.0.0.1. Ports are picked by the kernel (bind to port 0)
+Every server binds only 127.0.0.1, or, given a :class:`~chaos.netns.Fabric`, its own address inside a
+network namespace of its own (host ``e<i>``). Ports are picked by the kernel (bind to port 0)
 and handed to etcd; if another process grabs one in between, the start is retried
 with fresh ports. A server is always stopped by its own pid: SIGTERM, then SIGKILL
 when it has not exited within the deadline.
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos.netns import Fabric, call_in, exec_prefix
 from chaos.scenario import ChaosError
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ ETCD_BIN_ENV = "ELASTIC_DDP_ETCD_BIN"
 _POLL_INTERVAL_S = 0.05
 _PORT_RETRIES = 3
 CLUSTER_TOKEN = "elastic-ddp"
+ETCD_PORTS = (2379, 2380)
+"""Client and peer port of a member in a network namespace of its own."""
 
 
 class EtcdProcessError(ChaosError):
@@ -119,16 +123,20 @@ class MemberSpec:
     data_dir: Path
     tls: TlsFiles | None = None
     """When set, clients must use TLS and present a certificate signed by ``tls.ca``."""
+    host: str = HOST
+    """The address it binds: 127.0.0.1, or its own address in a network namespace."""
+    netns: str = ""
+    """The network namespace it runs in ("" for the harness's own); see :mod:`chaos.netns`."""
 
     @property
     def client_url(self) -> str:
-        """The member's client URL, ``http[s]://127.0.0.1:PORT``."""
-        return "%s://%s:%d" % ("https" if self.tls else "http", HOST, self.client_port)
+        """The member's client URL, ``http[s]://HOST:PORT``."""
+        return "%s://%s:%d" % ("https" if self.tls else "http", self.host, self.client_port)
 
     @property
     def peer_url(self) -> str:
         """The member's peer (raft) URL."""
-        return "http://%s:%d" % (HOST, self.peer_port)
+        return "http://%s:%d" % (self.host, self.peer_port)
 
 
 class EtcdServer:
@@ -156,18 +164,24 @@ class EtcdServer:
 
     @classmethod
     def create(
-        cls, binary: str, data_dir: Path, extra_args: Sequence[str] = (), tls: TlsFiles | None = None
+        cls, binary: str, data_dir: Path, extra_args: Sequence[str] = (), tls: TlsFiles | None = None,
+        fabric: Fabric | None = None,
     ) -> EtcdServer:
-        """A single-member server on fresh ports with its data in ``data_dir``."""
-        client_port, peer_port = free_ports(2)
-        spec = MemberSpec("default", client_port, peer_port, data_dir, tls)
+        """A single-member server on fresh ports with its data in ``data_dir`` (with a fabric: in host ``e0``,
+        on etcd's usual ports, which are free in a namespace of its own)."""
+        if fabric is not None:
+            host = fabric.add_host("e0")
+            spec = MemberSpec("default", ETCD_PORTS[0], ETCD_PORTS[1], data_dir, tls, host.address, host.namespace)
+        else:
+            client_port, peer_port = free_ports(2)
+            spec = MemberSpec("default", client_port, peer_port, data_dir, tls)
         initial_cluster = "%s=%s" % (spec.name, spec.peer_url)
         return cls(binary, spec, initial_cluster, CLUSTER_TOKEN, extra_args)
 
     @property
     def endpoint(self) -> str:
         """``host:port`` for clients, the form ``--rdzv-endpoint`` takes."""
-        return "%s:%d" % (HOST, self.spec.client_port)
+        return "%s:%d" % (self.spec.host, self.spec.client_port)
 
     @property
     def pid(self) -> int | None:
@@ -180,9 +194,10 @@ class EtcdServer:
         return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
-        """The etcd command line of this member."""
+        """The etcd command line of this member (run inside its namespace, if it has one)."""
         spec = self.spec
         return [
+            *(exec_prefix(spec.netns) if spec.netns else []),
             self.binary,
             "--name", spec.name,
             "--data-dir", str(spec.data_dir),
@@ -240,6 +255,11 @@ class EtcdServer:
 
     def healthy(self) -> bool:
         """One ``GET /health`` probe; ``True`` when the member serves with a leader."""
+        if self.spec.netns:
+            return call_in(self.spec.netns, self._healthy)
+        return self._healthy()
+
+    def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(
                 self.spec.client_url + "/health", timeout=1.0, context=self._ssl_context()
@@ -250,6 +270,11 @@ class EtcdServer:
 
     def status(self) -> dict[str, Any]:
         """``/v3/maintenance/status`` of this member through etcd's JSON gateway."""
+        if self.spec.netns:
+            return call_in(self.spec.netns, self._status)
+        return self._status()
+
+    def _status(self) -> dict[str, Any]:
         request = urllib.request.Request(
             self.spec.client_url + "/v3/maintenance/status", data=b"{}", method="POST"
         )
@@ -311,13 +336,21 @@ class EtcdCluster:
         self.members = members
 
     @classmethod
-    def create(cls, binary: str, base_dir: Path, size: int = 3, extra_args: Sequence[str] = ()) -> EtcdCluster:
-        """Members ``m0..m{size-1}`` on fresh ports, data under ``base_dir``."""
-        ports = free_ports(2 * size)
-        specs = [
-            MemberSpec("m%d" % i, ports[2 * i], ports[2 * i + 1], base_dir / ("m%d" % i))
-            for i in range(size)
-        ]
+    def create(cls, binary: str, base_dir: Path, size: int = 3, extra_args: Sequence[str] = (),
+               fabric: Fabric | None = None) -> EtcdCluster:
+        """Members ``m0..m{size-1}`` on fresh ports, data under ``base_dir`` (with a fabric: member i in
+        host ``e<i>``, on etcd's usual ports)."""
+        if fabric is not None:
+            hosts = [fabric.add_host("e%d" % i) for i in range(size)]
+            specs = [MemberSpec("m%d" % i, *ETCD_PORTS, base_dir / ("m%d" % i), None, host.address, host.namespace)
+                     for i, host in enumerate(hosts)]
+            ports = [ETCD_PORTS[0] + len(fabric.created)]  # a token of its own per attempt
+        else:
+            ports = free_ports(2 * size)
+            specs = [
+                MemberSpec("m%d" % i, ports[2 * i], ports[2 * i + 1], base_dir / ("m%d" % i))
+                for i in range(size)
+            ]
         initial_cluster = ",".join("%s=%s" % (spec.name, spec.peer_url) for spec in specs)
         token = "%s-%d" % (CLUSTER_TOKEN, ports[0])
         return cls([EtcdServer(binary, spec, initial_cluster, token, extra_args) for spec in specs])
@@ -378,7 +411,8 @@ def start_with_port_retries(
     raise EtcdProcessError("etcd did not start after %d attempts" % retries) from last_error
 
 
-def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _PORT_RETRIES) -> EtcdServer | EtcdCluster:
+def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _PORT_RETRIES,
+               fabric: Fabric | None = None) -> EtcdServer | EtcdCluster:
     """Start one member (``kind`` ``embedded``) or a 3-member cluster (``cluster``) on fresh ports under
     ``base_dir``, with :func:`start_with_port_retries`.
 
@@ -389,7 +423,8 @@ def start_etcd(kind: str, base_dir: Path, stack: ExitStack, attempts: int = _POR
 
     def build(attempt: int) -> EtcdServer | EtcdCluster:
         base = base_dir / ("etcd-%d" % attempt)
-        server = EtcdCluster.create(binary, base, 3) if kind == "cluster" else EtcdServer.create(binary, base / "data")
+        server = (EtcdCluster.create(binary, base, 3, fabric=fabric) if kind == "cluster"
+                  else EtcdServer.create(binary, base / "data", fabric=fabric))
         stack.callback(server.stop)
         return server
 

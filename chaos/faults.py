@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from chaos.cluster import HOST, LocalCluster, Node
+from chaos.cluster import HOST, LocalCluster, Node, host_name
 from chaos.etcd import EtcdCluster, EtcdServer
+from chaos.netns import Fabric, Host, call_in
 from chaos.s3 import StorageProxy
 from chaos.scenario import ChaosError, FaultSpec, Target, Trigger
 
@@ -221,6 +222,8 @@ class ChaosEnv:
     etcd: EtcdServer | EtcdCluster | None = None
     proxy: StorageProxy | None = None
     spot: SpotServer | None = None
+    fabric: Fabric | None = None
+    """The namespaces and bridge the hosts run on (cluster.network = 'namespaces'); the network faults act on it."""
     departing: set[str] = field(default_factory=set)
     """Nodes a fault took out of the job (they may still be saving and exiting)."""
     frozen: set[str] = field(default_factory=set)
@@ -564,10 +567,185 @@ class CorruptCheckpoint(Fault):
         return []
 
 
+# -- network faults (cluster.network = 'namespaces') ------------------------------------------
+
+
+def peer_hosts(peers: str, target: str, hosts: list[str]) -> list[str]:
+    """The fabric hosts on the other side of a network fault aimed at host ``target`` (pure).
+
+    ``hosts``: every fabric host by name (``n<i>`` nodes, ``e<i>`` etcd members, ``s3`` the storage
+    endpoint); ``peers``: ``nodes``, ``etcd``, ``storage``, ``all`` or ``node:N``.
+    """
+    groups = {"nodes": "n", "etcd": "e", "storage": "s3"}
+    if peers.startswith("node:"):
+        chosen = ["n" + peers.removeprefix("node:")]
+    elif peers == "all":
+        chosen = [name for name in hosts if name[0] in "nes"]
+    else:
+        prefix = groups[peers]
+        chosen = [name for name in hosts if name.startswith(prefix) and (prefix != "n" or name[1:].isdigit())]
+    return [name for name in chosen if name in hosts and name != target]
+
+
+def directed_pairs(target: str, peers: list[str], direction: str) -> list[tuple[list[str], list[str]]]:
+    """(sources, destinations) whose packets a fault drops: ``out`` is what the target sends, ``in`` what it
+    receives, ``both`` both (pure)."""
+    out, into = ([target], peers), (peers, [target])
+    return {"out": [out], "in": [into], "both": [out, into]}[direction]
+
+
+class NetworkFault(Fault):
+    """A fault on one node's links, acting on the bridge (:mod:`chaos.netns`)."""
+
+    def fabric(self, env: ChaosEnv) -> Fabric:
+        if env.fabric is None:
+            raise FaultError(f"{self.kind} needs cluster.network = 'namespaces'")
+        return env.fabric
+
+    def links(self, env: ChaosEnv) -> tuple[str, list[tuple[list[str], list[str]]]] | None:
+        """The target host and the (sources, destinations) the fault hits; None when skipped."""
+        fabric = self.fabric(env)
+        node = self.pick_node(env)
+        if node is None:
+            return None
+        target = host_name(node.name)
+        peers = peer_hosts(self.spec.peers, target, list(fabric.hosts))
+        if not peers:
+            self.skip(f"no host matches peers = {self.spec.peers!r}")
+            return None
+        return target, directed_pairs(target, peers, self.spec.direction)
+
+    def describe(self, what: str) -> None:
+        arrow = {"both": "<->", "out": "->", "in": "<-"}[self.spec.direction]
+        self.record.detail = f"{what} {arrow} {self.spec.peers}" + (
+            f" for {self.spec.duration_s:.0f} s" if self.spec.duration_s else "")
+
+
+class Partition(NetworkFault):
+    """Drop every packet between a node and its peers (silently, on the bridge); undone after ``duration_s``
+    (if given) or by a ``heal`` fault, and by the kernel after :data:`chaos.netns.PARTITION_TTL_S` anyway."""
+
+    kind = "partition"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        links = self.links(env)
+        if links is None:
+            return []
+        fabric = self.fabric(env)
+        _, pairs = links
+        for sources, destinations in pairs:
+            fabric.partition(sources, destinations)
+        self.describe("partition")
+        if not self.spec.duration_s:
+            return []
+
+        def heal() -> str:
+            for sources, destinations in pairs:
+                fabric.unpartition(sources, destinations)
+            return "healed"
+
+        return [FollowUp(self.spec.duration_s, heal, True)]
+
+
+class PacketLoss(NetworkFault):
+    """Drop ``percent`` % of the packets between a node and its peers at random; the loss rules are removed
+    after ``duration_s`` (if given) or by a ``heal`` fault."""
+
+    kind = "packet-loss"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        links = self.links(env)
+        if links is None:
+            return []
+        fabric = self.fabric(env)
+        for sources, destinations in links[1]:
+            fabric.packet_loss(sources, destinations, self.spec.percent)
+        self.describe(f"{self.spec.percent:g} % loss")
+        if not self.spec.duration_s:
+            return []
+
+        def end() -> str:
+            fabric.no_loss()
+            return "loss removed"
+
+        return [FollowUp(self.spec.duration_s, end, True)]
+
+
+class Latency(NetworkFault):
+    """Delay every packet between a node and its peers by ``delay_ms`` ± ``jitter_ms`` (one way, on the receiving
+    host: an NFQUEUE delay line, :mod:`chaos.delayline`); removed after ``duration_s`` (if given) or by ``heal``."""
+
+    kind = "latency"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        links = self.links(env)
+        if links is None:
+            return []
+        fabric = self.fabric(env)
+        receivers = []
+        for sources, destinations in links[1]:
+            for receiver in destinations:
+                fabric.latency(receiver, sources, self.spec.delay_ms, self.spec.jitter_ms)
+                receivers.append(receiver)
+        jitter = f" ± {self.spec.jitter_ms:g}" if self.spec.jitter_ms else ""
+        self.describe(f"+{self.spec.delay_ms:g}{jitter} ms")
+        if not self.spec.duration_s:
+            return []
+
+        def end() -> str:
+            for receiver in receivers:
+                fabric.no_latency(receiver)
+            return "latency removed"
+
+        return [FollowUp(self.spec.duration_s, end, True)]
+
+
+class Bandwidth(NetworkFault):
+    """Limit a node's link to ``rate_mbit`` each way (tbf); lifted after ``duration_s`` (if given) or by ``heal``."""
+
+    kind = "bandwidth"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        fabric = self.fabric(env)
+        node = self.pick_node(env)
+        if node is None:
+            return []
+        host = host_name(node.name)
+        fabric.bandwidth(host, self.spec.rate_mbit)
+        self.record.detail = f"{self.spec.rate_mbit:g} Mbit/s each way" + (
+            f" for {self.spec.duration_s:.0f} s" if self.spec.duration_s else "")
+        if not self.spec.duration_s:
+            return []
+
+        def end() -> str:
+            fabric.unlimited(host)
+            return "rate limit lifted"
+
+        return [FollowUp(self.spec.duration_s, end, True)]
+
+
+class Heal(NetworkFault):
+    """Undo every partition, loss rule, delay and rate limit."""
+
+    kind = "heal"
+
+    def act(self, env: ChaosEnv) -> list[FollowUp]:
+        fabric = self.fabric(env)
+        fabric.heal()
+        for name in fabric.hosts:
+            fabric.unlimited(name)
+        for name in list(fabric.delay_lines):
+            fabric.no_latency(name)
+        self.record.target = "network"
+        self.record.detail = "every partition, loss rule, delay and rate limit removed"
+        return []
+
+
 FAULT_CLASSES: dict[str, type[Fault]] = {
     cls.kind: cls
     for cls in (KillWorker, CrashWorker, KillNode, KillDuringSave, PreemptNode, RemoveNode, SpotNotice, HangWorker,
-                HangNode, AddNode, RestartEtcd, KillEtcdLeader, StorageOutage, SlowStorage, CorruptCheckpoint)
+                HangNode, AddNode, RestartEtcd, KillEtcdLeader, StorageOutage, SlowStorage, CorruptCheckpoint,
+                Partition, PacketLoss, Latency, Bandwidth, Heal)
 }
 
 
@@ -697,10 +875,15 @@ class SpotServer:
     """Instance metadata on 127.0.0.1: ``/<node>/latest/meta-data/spot/instance-action`` answers 404
     until :meth:`notify` issues a notice for that node, then 200 with the action (as AWS does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: Host | None = None) -> None:
         self.noticed: set[str] = set()
         handler = _spot_handler(self.noticed)
-        self.server = http.server.ThreadingHTTPServer((HOST, 0), handler)
+        self.host = HOST if host is None else host.address
+        """127.0.0.1, or a fabric host's address (the listening socket is made in its namespace)."""
+        if host is None:
+            self.server = http.server.ThreadingHTTPServer((HOST, 0), handler)
+        else:
+            self.server = call_in(host.namespace, lambda: http.server.ThreadingHTTPServer((host.address, 80), handler))
         self.thread = threading.Thread(target=self.server.serve_forever, name="spot-metadata", daemon=True)
 
     def start(self) -> SpotServer:
@@ -708,7 +891,7 @@ class SpotServer:
         return self
 
     def url(self, node_name: str) -> str:
-        return f"http://{HOST}:{self.server.server_address[1]}/{node_name}{SPOT_PATH}"
+        return f"http://{self.host}:{self.server.server_address[1]}/{node_name}{SPOT_PATH}"
 
     def node_args(self, node_name: str) -> list[str]:
         """The job flags that make a node poll its own notice."""

@@ -43,6 +43,7 @@ from chaos.faults import (
     SpotServer,
     make_faults,
 )
+from chaos.netns import Fabric
 from chaos.s3 import BUCKET, StorageProxy, client_env, start_on_free_port, storage_options
 from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
@@ -99,6 +100,7 @@ class Services:
     etcd: EtcdServer | EtcdCluster | None = None
     proxy: StorageProxy | None = None
     spot: SpotServer | None = None
+    fabric: Fabric | None = None
 
 
 def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Services:
@@ -106,21 +108,25 @@ def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Servi
     Each is registered on ``stack`` for shutdown as soon as it started."""
     services = Services(checkpoint_uri=str(workdir / "ckpt"))
     cluster = scenario.cluster
+    if cluster.network == "namespaces":
+        services.fabric = Fabric()
+        stack.callback(services.fabric.close)  # the last to go: after every process in its namespaces
+        services.fabric.create()
     if cluster.etcd != "none":
-        services.etcd = start_etcd(cluster.etcd, workdir, stack)
+        services.etcd = start_etcd(cluster.etcd, workdir, stack, fabric=services.fabric)
         if cluster.rdzv_backend == "etcd-v3":
             services.rdzv_endpoint = services.etcd.endpoint
     if cluster.checkpoint == "s3":
         _start_s3(services, scenario.name, workdir, stack)
     if any(fault.kind == "spot-notice" for fault in scenario.faults):
-        services.spot = SpotServer().start()
+        services.spot = SpotServer(services.fabric.add_host("md") if services.fabric else None).start()
         stack.callback(services.spot.close)
     return services
 
 
 def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) -> None:
     moto = start_on_free_port(workdir / "moto.log", stack=stack)
-    proxy = StorageProxy(moto.port).start()
+    proxy = StorageProxy(moto.port, services.fabric.add_host("s3") if services.fabric else None).start()
     stack.callback(proxy.close)
     services.proxy = proxy
     services.checkpoint_uri = f"s3://{BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
@@ -240,7 +246,7 @@ class ScenarioRun:
         self.store = CheckpointStore(services.checkpoint_uri, services.store_options)
         self.env = ChaosEnv(cluster=cluster, rng=random.Random(scenario.seed), min_nodes=scenario.cluster.min_nodes,
                             add_node=self.add_node, store=self.store, etcd=services.etcd, proxy=services.proxy,
-                            spot=services.spot)
+                            spot=services.spot, fabric=services.fabric)
         self.metrics = MetricsTail(workdir / "logs")
         self.schedule = Schedule()
         self.progress = ProgressLine(progress, scenario.job.max_steps, len(self.faults))
@@ -388,7 +394,7 @@ def run_scenario(scenario: Scenario, options: RunOptions) -> RunFacts:
     reference = reference_run(scenario.job, scenario.cluster.start_world_size, options.cache_dir)
     with ExitStack() as stack:
         services = start_services(scenario, workdir, stack)
-        cluster = LocalCluster(job_spec(scenario, services, workdir), workdir)
+        cluster = LocalCluster(job_spec(scenario, services, workdir), workdir, services.fabric)
         run = ScenarioRun(scenario, cluster, services, workdir, options.progress)
         try:
             run.start()

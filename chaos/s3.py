@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from chaos.etcd import HOST, free_ports
+from chaos.netns import Host, call_in
 from chaos.scenario import ChaosError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ REGION = "us-east-1"
 _POLL_INTERVAL_S = 0.05
 _CHUNK = 64 * 1024
 _PORT_RETRIES = 3
+S3_PORT = 9000
+"""The proxy's port in a network namespace of its own."""
 
 
 class S3ProcessError(ChaosError):
@@ -219,9 +222,15 @@ class StorageProxy:
     One thread accepts; each connection gets two pump threads. :meth:`close` stops them all.
     """
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, host: Host | None = None) -> None:
         self.upstream_port = upstream_port
-        self._listener = socket.create_server((HOST, 0))
+        self.host = HOST if host is None else host.address
+        """Where clients reach it: 127.0.0.1, or the address of a fabric host (``s3``): its listening socket
+        is made inside that host's network namespace; its connections to moto stay on 127.0.0.1."""
+        if host is None:
+            self._listener = socket.create_server((HOST, 0))
+        else:
+            self._listener = call_in(host.namespace, lambda: socket.create_server((host.address, S3_PORT)))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -232,8 +241,8 @@ class StorageProxy:
 
     @property
     def endpoint(self) -> str:
-        """``http://127.0.0.1:PORT`` of the proxy: what the job's nodes use."""
-        return "http://%s:%d" % (HOST, self.port)
+        """``http://HOST:PORT`` of the proxy: what the job's nodes use."""
+        return "http://%s:%d" % (self.host, self.port)
 
     def start(self) -> StorageProxy:
         self._thread.start()

@@ -78,7 +78,7 @@ class FaultKind:
     needs_duration: bool = False
     """It undoes itself after ``duration_s`` seconds, which must then be > 0."""
     needs: str = ""
-    """What the cluster must provide: ``etcd``, ``etcd-cluster`` or ``s3``."""
+    """What the cluster must provide: ``etcd``, ``etcd-cluster``, ``s3`` or ``namespaces``."""
 
 
 WORKER_TARGETS = ("rank", "random")
@@ -100,6 +100,11 @@ FAULT_KINDS: dict[str, FaultKind] = {
     "slow-storage": FaultKind(targets=(), needs_duration=True, needs="s3"),
     "corrupt-checkpoint": FaultKind(targets=()),
     "kill-during-save": FaultKind(targets=NODE_TARGETS),
+    "partition": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
+    "packet-loss": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
+    "bandwidth": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
+    "latency": FaultKind(targets=NODE_TARGETS, needs="namespaces"),
+    "heal": FaultKind(targets=(), needs="namespaces"),
 }
 """Every fault a scenario may schedule (implemented in :mod:`chaos.faults`)."""
 
@@ -150,6 +155,20 @@ class FaultSpec:
     """preempt-node, remove-node, spot-notice: SIGKILL the node if it still runs this long after the notice."""
     mode: str = "flip"
     """corrupt-checkpoint: ``flip`` one byte or ``truncate`` a data file of the newest committed checkpoint."""
+    peers: str = "all"
+    """partition, packet-loss, latency: the other side of the target node's links: ``nodes`` (every other node),
+    ``etcd`` (every etcd member), ``storage`` (the S3 endpoint), ``all`` (all of them) or ``node:N``."""
+    direction: str = "both"
+    """partition, packet-loss, latency: ``both``; ``out`` (only what the target sends is dropped) or ``in`` (only
+    what it receives)."""
+    percent: float = 5.0
+    """packet-loss: the share of packets dropped at random, in percent."""
+    rate_mbit: float = 10.0
+    """bandwidth: the target node's link rate each way, in Mbit/s."""
+    delay_ms: float = 50.0
+    """latency: milliseconds added to every packet (one way) between the target node and its peers."""
+    jitter_ms: float = 0.0
+    """latency: each packet's delay is drawn uniformly from delay_ms ± jitter_ms."""
     label: str = ""
     """A name for reports; defaults to the kind and its position."""
 
@@ -183,6 +202,10 @@ class ClusterConfig:
     """``torchrun --max-restarts``: every failure, join and departure consumes one."""
     prefork: bool = True
     """Workers start through :mod:`elastic_ddp.prefork`: restarts skip importing torch."""
+    network: str = "loopback"
+    """``loopback``: everything on 127.0.0.1. ``namespaces``: each node, etcd member and the S3 endpoint in a
+    network namespace of its own on one bridge (:mod:`chaos.netns`; needs root, ``ip`` and ``nft``), which the
+    network faults (partition, packet-loss, bandwidth, heal) act on."""
 
     @property
     def min_nodes(self) -> int:
@@ -296,12 +319,15 @@ def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
         checkpoint=reader.choice("checkpoint", ("local", "s3"), "local"),
         max_restarts=reader.integer("max_restarts", default=30, minimum=0),
         prefork=reader.boolean("prefork", default=True),
+        network=reader.choice("network", ("loopback", "namespaces"), "loopback"),
     )
     reader.reject_unknown()
     if not low <= cluster.start_nodes <= high:
         problems.append(f"cluster.start_nodes: {cluster.start_nodes} is outside nodes {nodes!r}")
     if cluster.rdzv_backend == "etcd-v3" and cluster.etcd == "none":
         problems.append("cluster.etcd: rdzv_backend 'etcd-v3' needs etcd = 'embedded' or 'cluster'")
+    if cluster.network == "namespaces" and cluster.rdzv_backend != "etcd-v3":
+        problems.append("cluster.network: 'namespaces' needs rdzv_backend = 'etcd-v3' (c10d's store dies with node0's agent)")
     if cluster.rdzv_backend == "c10d" and cluster.etcd != "none":
         problems.append(f"cluster.etcd: rdzv_backend 'c10d' does not use etcd; set etcd = 'none' (not {cluster.etcd!r})")
     return cluster
@@ -333,6 +359,12 @@ def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
         delay_s=reader.number("delay_s", default=0.2, minimum=0.001),
         grace_s=reader.number("grace_s", default=30.0, minimum=0.0),
         mode=reader.choice("mode", ("flip", "truncate"), "flip"),
+        peers=_parse_peers(reader),
+        direction=reader.choice("direction", ("both", "out", "in"), "both"),
+        percent=reader.number("percent", default=5.0, minimum=0.01),
+        rate_mbit=reader.number("rate_mbit", default=10.0, minimum=0.01),
+        delay_ms=reader.number("delay_ms", default=50.0, minimum=0.0),
+        jitter_ms=reader.number("jitter_ms", default=0.0, minimum=0.0),
         label=reader.string("label") or f"{index}:{kind}",
     )
     reader.reject_unknown()
@@ -341,6 +373,18 @@ def _parse_fault(reader: _Reader, index: int, problems: list[str]) -> FaultSpec:
         problems.append(f"faults[{index}]: give at least one trigger (at_s, at_step, after_s, after_steps, world_size "
                         "or during_save)")
     return spec
+
+
+PEER_GROUPS = ("nodes", "etcd", "storage", "all")
+
+
+def _parse_peers(reader: _Reader) -> str:
+    text = reader.string("peers") or "all"
+    form, _, number = text.partition(":")
+    if text not in PEER_GROUPS and not (form == "node" and number.isdigit()):
+        reader.problem("peers", f"{text!r} is not one of {', '.join(PEER_GROUPS)}, node:N")
+        return "all"
+    return text
 
 
 def _parse_target(reader: _Reader, allowed: tuple[str, ...]) -> Target:
@@ -376,6 +420,14 @@ def fault_problems(faults: tuple[FaultSpec, ...], cluster: ClusterConfig) -> lis
             problems.append(f"{key}: needs cluster.etcd = 'cluster' and rdzv_backend = 'etcd-v3'")
         if kind.needs == "s3" and cluster.checkpoint != "s3":
             problems.append(f"{key}: needs cluster.checkpoint = 's3'")
+        if kind.needs == "namespaces" and cluster.network != "namespaces":
+            problems.append(f"{key}: needs cluster.network = 'namespaces'")
+        if fault.kind == "packet-loss" and fault.percent > 100:
+            problems.append(f"{key}.percent: must be <= 100, got {fault.percent:g}")
+        if fault.jitter_ms > fault.delay_ms:
+            problems.append(f"{key}.jitter_ms: must be <= delay_ms ({fault.delay_ms:g}), got {fault.jitter_ms:g}")
+        if fault.peers == "storage" and cluster.checkpoint != "s3":
+            problems.append(f"{key}.peers: 'storage' needs cluster.checkpoint = 's3' (local checkpoints have no endpoint)")
         trigger = fault.trigger
         if fault.kind == "crash-worker" and (trigger.at_step is None or trigger != Trigger(at_step=trigger.at_step)):
             problems.append(f"{key}.at_step: crash-worker fires inside the job (ELASTIC_DDP_FAULT) at a step of "

@@ -13,6 +13,10 @@
   elastic-ddp launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] -- SCRIPT ARGS...
                                            a local elastic run on this machine (embedded etcd)
   elastic-ddp demo                         the recovery demo: kill a worker, preempt a node, report
+  elastic-ddp doctor [--json] [--rdzv-endpoint HOST:PORT]
+                                           network health: store, TCP matrix, all-reduce bus bandwidth,
+                                           slow nodes, links and stragglers (run it through torchrun as
+                                           `-m elastic_ddp.doctor` on every node; alone: one rank)
 
 URI is a checkpoint root (``--checkpoint-dir`` of a run) or one ``step-N`` directory in it.
 ``launch`` and ``demo`` hand over to the ``chaos`` package (``python -m chaos``), which drives
@@ -289,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=None, chaos_command="launch")
     demo = commands.add_parser("demo", add_help=False, help="recovery demo: 2 local nodes, a worker killed, a node preempted")
     demo.set_defaults(func=None, chaos_command="demo")
+    commands.add_parser("doctor", add_help=False, help="network health of a job: store, TCP, all-reduce bandwidth, "
+                        "slow nodes and links (elastic-ddp doctor --help)")
     return parser
 
 
@@ -308,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("launch", "demo"):
         return hand_over_to_chaos(argv[0], argv[1:])
+    if argv and argv[0] == "doctor":
+        from elastic_ddp import doctor
+
+        return doctor.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.options = _parse_options(args.storage_options)

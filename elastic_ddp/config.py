@@ -245,9 +245,12 @@ class ResilienceConfig:
     save_deadline_s: float = 20.0
     """An emergency save must commit within this many seconds, else the worker exits anyway and the
     previous checkpoint stays the newest. Keep it below torchrun's --shutdown-timeout."""
-    watchdog_timeout_s: float = 300.0
+    watchdog_timeout_s: float = 45.0
     """A step phase (data, compute, collective, eval) that makes no progress for this long is a hang:
-    stacks are dumped and the worker exits so torchrun restarts the group. 0 disables the watchdog."""
+    stacks are dumped and the worker exits so torchrun restarts the group. 0 disables the watchdog.
+    This is also the bound on a silently lost peer (a partition sends no reset, and a gloo collective would
+    wait for --dist-collective-timeout-s): the survivors' workers exit after it and the agents re-form
+    without the lost node. Raise it above the slowest step (the first one included)."""
     watchdog_checkpoint_timeout_s: float = 900.0
     """Like --resilience-watchdog-timeout-s, for staging or writing a regular checkpoint."""
     agreement_interval_s: float = 0.25

@@ -5,6 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# ip, nft and tc for the chaos harness's hosts in network namespaces (chaos/netns.py); tests that need them
+# skip with the reason when they are missing or when not root
+if [ "$(id -u)" -eq 0 ] && ! { command -v ip && command -v nft && command -v tc && command -v iptables; } >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && apt-get install -y --no-install-recommends iproute2 nftables iptables >/dev/null 2>&1 \
+        || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends iproute2 nftables iptables >/dev/null 2>&1; }; then
+        echo "scripts/setup.sh: installed iproute2, nftables and iptables (network-namespace chaos tests)"
+    else
+        echo "scripts/setup.sh: could not install iproute2/nftables/iptables with apt-get; the network-namespace chaos tests will skip" >&2
+    fi
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import random
 
-from chaos.faults import Observation, Previous, TriggerState, choose_node, choose_worker, in_flight
+from chaos.faults import (
+    Observation,
+    Previous,
+    TriggerState,
+    choose_node,
+    choose_worker,
+    directed_pairs,
+    in_flight,
+    peer_hosts,
+)
 from chaos.scenario import Target, Trigger
 
 
@@ -101,3 +110,22 @@ def test_a_save_in_flight_is_newer_than_every_commit() -> None:
     # 20: retention is removing it; 70: a failed save's leftover below the newest commit; 100: being written
     assert in_flight({20, 70, 100}, {40, 60, 80}) == frozenset({100})
     assert in_flight({20}, set()) == frozenset({20})
+
+
+HOSTS = ["e0", "s3", "n0", "n1", "n2", "md"]
+
+
+def test_peers_name_groups_of_fabric_hosts_never_the_target_itself() -> None:
+    assert peer_hosts("nodes", "n1", HOSTS) == ["n0", "n2"]
+    assert peer_hosts("etcd", "n1", HOSTS) == ["e0"]
+    assert peer_hosts("storage", "n1", HOSTS) == ["s3"]
+    assert peer_hosts("all", "n1", HOSTS) == ["e0", "s3", "n0", "n2"]  # the metadata server is no peer
+    assert peer_hosts("node:2", "n1", HOSTS) == ["n2"]
+    assert peer_hosts("node:1", "n1", HOSTS) == []
+    assert peer_hosts("node:7", "n1", HOSTS) == []
+
+
+def test_a_one_way_cut_drops_only_one_direction() -> None:
+    assert directed_pairs("n1", ["n0"], "out") == [(["n1"], ["n0"])]
+    assert directed_pairs("n1", ["n0"], "in") == [(["n0"], ["n1"])]
+    assert directed_pairs("n1", ["n0", "e0"], "both") == [(["n1"], ["n0", "e0"]), (["n0", "e0"], ["n1"])]

@@ -159,3 +159,29 @@ def test_prefork_runs_workers_through_the_fork_server_but_cannot_host_sigstop_fa
     data = document(faults=[{"kind": "hang-worker", "at_step": 5, "target": "rank:1", "duration_s": 3}])
     data["cluster"].update(prefork=True)
     assert "faults[0] (hang-worker): SIGSTOP stops a prefork launcher, not its worker" in problems_of(data)
+
+
+def test_network_faults_need_hosts_in_namespaces_and_namespaces_need_etcd() -> None:
+    data = document(faults=[{"kind": "partition", "at_step": 5, "target": "node:1", "peers": "storage"},
+                            {"kind": "packet-loss", "at_step": 5, "percent": 150},
+                            {"kind": "heal", "at_step": 9}])
+    message = problems_of(data)
+    assert "faults[0] (partition): needs cluster.network = 'namespaces'" in message
+    assert "faults[0] (partition).peers: 'storage' needs cluster.checkpoint = 's3'" in message
+    assert "faults[1] (packet-loss).percent: must be <= 100, got 150" in message
+    assert "faults[2] (heal): needs cluster.network = 'namespaces'" in message
+    data = document(faults=[])
+    data["cluster"].update(network="namespaces", rdzv_backend="c10d", etcd="none")
+    assert "cluster.network: 'namespaces' needs rdzv_backend = 'etcd-v3'" in problems_of(data)
+
+
+def test_a_partition_names_its_peers_and_direction() -> None:
+    data = document(faults=[{"kind": "partition", "at_step": 5, "target": "node:1", "peers": "node:0",
+                             "direction": "out", "duration_s": 10}])
+    data["cluster"].update(network="namespaces")
+    fault = parse_scenario(data).faults[0]
+    assert (fault.peers, fault.direction, fault.duration_s) == ("node:0", "out", 10.0)
+    data["faults"][0].update(peers="switch", direction="sideways")
+    message = problems_of(data)
+    assert "faults[0].peers: 'switch' is not one of nodes, etcd, storage, all, node:N" in message
+    assert "faults[0].direction: 'sideways' is not one of both, out, in" in message
