@@ -74,6 +74,7 @@ SILENT_PEER_BOUND_S = 60.0
 within this long (the watchdog's default 45 s, then a restart and a rendezvous round)."""
 
 
+@pytest.mark.slow  # about 2 minutes, and its rejoin after the heal failed once in CI (see the session note)
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
 def test_a_node_cut_off_silently_is_left_behind_within_the_bound_and_rejoins_when_healed(
         tmp_path: Path, cache_dir: Path) -> None:
