@@ -300,7 +300,7 @@ class Replicas:
             return
         cost = own + self._last_write_cpu_s
         training = max(now - previous_at - blocking, 0.0) / (step - previous_step)
-        if self.stats.saves <= 1:  # the first replica lays its slot out: not what the next ones cost
+        if self.stats.saves <= SLOTS:  # the first replicas lay the slots out: not what the next ones cost
             self._cost, self._step_time = None, training
             return
         self._cost = cost if self._cost is None else self._cost + _SMOOTHING * (cost - self._cost)
