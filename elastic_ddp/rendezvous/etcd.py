@@ -76,13 +76,20 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
 from torch.distributed.elastic.events.handlers import get_logging_handler
-from torch.distributed.elastic.rendezvous import RendezvousHandlerCreator, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandlerCreator,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     Token,
 )
 
+from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
     _Action,
     _BackendRendezvousStateHolder,
@@ -391,6 +398,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     ``connect_timeout`` every ``keep_alive_interval``. :meth:`shutdown` (a finished job) gives
     up closing the rendezvous, with a warning, when etcd does not answer within ``connect_timeout``.
 
+    **Unreachable nodes.** A node cut off from its peers but not from etcd keeps heartbeating, so
+    every round would include it and forming the process group would wait for it. With
+    ``reach_check`` (the default), every completed round is checked first (:mod:`.reach`): the
+    nodes of a cut pair that the agents agree to leave out step out of the round and wait until
+    they reach every node of the job's current round again, then re-join; the others re-form at
+    once without them.
+
     **Re-joining.** torch removes a node from the round once its last heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
     etcd that long (an etcd outage, a frozen agent) is removed although its workers still
@@ -407,15 +421,109 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._etcd_store: EtcdStore | None = None
         self._outage_since: float | None = None
         self._last_probe = 0.0
+        self._listener: reach.ProbeListener | None = None
+        self._reach_timeout: float | None = None
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def attach(self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True) -> None:
+    def attach(
+        self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True, reach_timeout: float | None = None
+    ) -> None:
         """Give the handler the store and backend it was built on (torch's constructor takes both, but
-        keeps them where neither this class's probes nor the operation executor can see them), and
-        the ``early_close`` setting (see :class:`_OpExecutor`)."""
+        keeps them where neither this class's probes nor the operation executor can see them), the
+        ``early_close`` setting (see :class:`_OpExecutor`), and the reachability check's timeout
+        (``None``: no check; see the class docstring)."""
         self._etcd_store = store
         self._op_executor.backend = backend
         self._op_executor.early_close = early_close
+        self._reach_timeout = reach_timeout
+
+    def _probe_listener(self) -> reach.ProbeListener | None:
+        """This agent's probe listener, opened at the first round of more than one node (a job of one node
+        listens on nothing); ``None`` without the check or when this node's address cannot be bound."""
+        if self._listener is None and self._reach_timeout is not None:
+            try:
+                self._listener = reach.ProbeListener(self._this_node.addr)
+            except OSError as exc:
+                logger.warning(
+                    "etcd-v3: no reachability check: cannot listen on this node's address %s (%s); set "
+                    "torchrun's --local-addr to the address the other nodes reach this one at", self._this_node.addr, exc,
+                )  # fmt: skip
+                self._reach_timeout = None
+                return None
+            if self._etcd_store is not None:  # where a node that stepped out finds it, whatever the round
+                self._etcd_store.set(reach.NODE_KEY % _node_key(self._this_node), self._listener.address)
+        return self._listener
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class; with the reachability check, a round is returned only once every pair of
+        its nodes reaches each other (see the class docstring)."""
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            info = super().next_rendezvous()
+            listener = self._probe_listener() if info.world_size > 1 else None
+            if listener is None or self._reach_timeout is None:
+                return info
+            left_out = reach.check_round(info.store, info.rank, info.world_size, listener, self._reach_timeout)
+            if not left_out:
+                return info
+            if info.rank in left_out:
+                self._step_out(left_out, info.world_size)
+                self._wait_until_reachable(deadline)
+            else:
+                logger.warning(
+                    "etcd-v3: round %d of rendezvous %s leaves out agent rank(s) %s, which some node cannot reach; "
+                    "re-forming without them", self._state_holder.state.round, self._settings.run_id, sorted(left_out),
+                )  # fmt: skip
+
+    def _step_out(self, left_out: frozenset[int], world_size: int) -> None:
+        """Leave the round as a node that the others must not wait for (no heartbeat), but not for good."""
+        logger.warning(
+            "etcd-v3: this node (%s) cannot reach every other node of round %d of rendezvous %s (agents %s of %d "
+            "are left out); it steps out and re-joins once it reaches them all",
+            self._this_node, self._state_holder.state.round, self._settings.run_id, sorted(left_out), world_size,
+        )  # fmt: skip
+        self._stop_heartbeats()
+        self._op_executor.leaving = True
+        try:
+            self._op_executor.run(_RendezvousExitOp(), time.monotonic() + self._settings.timeout.join.total_seconds())
+        finally:
+            self._op_executor.leaving = False
+
+    def _wait_until_reachable(self, deadline: float) -> None:
+        """Return once this node reaches every other participant of the job's current round (complete or
+        forming; at once when there is none); probe every ``keep_alive_interval``.
+
+        Raises:
+            RendezvousClosedError: the job ended meanwhile.
+            RendezvousTimeoutError: still cut off after ``join_timeout``.
+        """
+        assert self._reach_timeout is not None and self._etcd_store is not None
+        started = time.monotonic()
+        while True:
+            try:
+                self._state_holder.sync()
+                state = self._state_holder.state
+                if state.closed:
+                    raise RendezvousClosedError()
+                others = [node for node in state.participants if node != self._this_node]
+                if not others:
+                    return
+                keys = [_node_key(node) for node in others]
+                addresses = reach.node_addresses(self._etcd_store, keys)
+                reached = reach.probe(addresses, self._reach_timeout)
+                if len(reached) == len(others):
+                    logger.warning("etcd-v3: this node reaches the %d other node(s) of round %d again after %.1f s; "
+                                   "re-joining", len(others), state.round, time.monotonic() - started)
+                    return
+                logger.debug("etcd-v3: round %d: cannot reach %s", state.round, sorted(set(keys) - reached))
+            except EtcdConnectionError as exc:
+                logger.info("etcd-v3: waiting to reach the other nodes; etcd does not answer: %s", exc)
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(
+                    f"etcd-v3: this node could not reach the other nodes of rendezvous {self._settings.run_id} within "
+                    f"join_timeout ({self._settings.timeout.join.total_seconds():.0f} s)"
+                )
+            time.sleep(self._settings.keep_alive_interval.total_seconds())
 
     def shutdown(self) -> bool:
         """See base class (closes the rendezvous for every node: the job is over). Gives up, with a
@@ -508,6 +616,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return True
 
 
+def _node_key(node: _NodeDesc) -> str:
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
 def _round_store_prefix(run_id: str, round_: int) -> str:
     """The prefix of one round's agents' store (torch's ``DynamicRendezvousHandler._wrap_store``)."""
     return f"torch.rendezvous.{run_id}.{round_}"
@@ -577,7 +689,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
-    handler.attach(store, backend, early_close=settings.early_close)
+    handler.attach(store, backend, early_close=settings.early_close,
+                   reach_timeout=settings.reach_timeout if settings.reach_check else None)
     return handler
 
 

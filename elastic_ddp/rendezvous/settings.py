@@ -33,6 +33,16 @@ echoed.
                             waits), without waiting for the last call. A node that was not
                             running yet joins in the next round. The first round always
                             waits the last call, so that nodes starting together start together.
+``reach_check``             ``true`` (default) or ``false``: once a round completes, every
+                            agent connects to every other agent's probe listener (a TCP
+                            port on its ``--local-addr``); nodes of a pair that cannot
+                            connect are left out (the node with the most cut links first,
+                            the higher rank on a tie), step out and re-join once they reach
+                            every node again. Catches a node cut off from its peers but
+                            not from etcd, which otherwise stalls every round.
+``reach_timeout``           seconds one probe connection may take (default 5; fractions
+                            allowed): a node that cannot connect within it counts as cut.
+                            Covers two lost SYNs (TCP retries after 1 s and 3 s).
 ``keep_alive_interval``,    seconds between heartbeats, and how many missed heartbeats
 ``keep_alive_max_attempt``  make a node dead (positive integers, torch's defaults). An
                             etcd outage longer than their product drops every node from
@@ -69,6 +79,7 @@ DEFAULT_KEY_PREFIX = "/elastic_ddp/rdzv/"
 DEFAULT_TTL_S = 7200
 DEFAULT_READ_TIMEOUT_S = 60
 DEFAULT_CONNECT_TIMEOUT_S = 5
+DEFAULT_REACH_TIMEOUT_S = 5.0
 
 # torch's defaults (dynamic_rendezvous.RendezvousTimeout, create_handler); used only
 # to check relations between settings the user did not all give.
@@ -82,6 +93,7 @@ _TORCH_DEFAULTS = {
 }
 _OWN_KEYS = (
     "key_prefix", "ttl", "read_timeout", "connect_timeout", "cacert", "cert", "key", "user", "password", "early_close",
+    "reach_check", "reach_timeout",
 )
 _FRACTIONAL = frozenset({"last_call_timeout"})
 MIN_LAST_CALL_S = 0.01
@@ -132,6 +144,10 @@ class EtcdRendezvousSettings:
     """Seconds a round stays open for more nodes once ``min_nodes`` have joined (fractions allowed)."""
     early_close: bool = True
     """Whether a round after the job's first closes once every live node has joined it (see the module docstring)."""
+    reach_check: bool = True
+    """Whether every completed round is checked for nodes that cannot reach each other (see the module docstring)."""
+    reach_timeout: float = DEFAULT_REACH_TIMEOUT_S
+    """Seconds one probe connection of the reachability check may take."""
     close_timeout: int = _TORCH_DEFAULTS["close_timeout"]
     """Seconds marking the rendezvous closed may take (job end, agent shutdown)."""
     heartbeat_timeout: int = _TORCH_DEFAULTS["heartbeat_timeout"]
@@ -193,6 +209,8 @@ class EtcdRendezvousSettings:
         user, password = _credentials(config, issues)
         key_prefix = _key_prefix(config, issues)
         early_close = _boolean(config, "early_close", True, issues)
+        reach_check = _boolean(config, "reach_check", True, issues)
+        reach_timeout = _positive_number(config, "reach_timeout", DEFAULT_REACH_TIMEOUT_S, issues)
         if issues:
             raise EtcdConfigError(
                 "invalid etcd-v3 rendezvous settings (--rdzv-endpoint/--rdzv-conf):\n  " + "\n  ".join(issues)
@@ -208,6 +226,8 @@ class EtcdRendezvousSettings:
             user=user,
             password=password,
             early_close=early_close,
+            reach_check=reach_check,
+            reach_timeout=reach_timeout,
             **tls,
             **ints,
         )

@@ -4,13 +4,15 @@ The default set (a few minutes on an idle 2-core machine, with their reference r
 
 - ``ci-mix``: one job through a killed worker, a node killed during a checkpoint save, a
   replacement node joining, a preemption, and an etcd restart; every check must pass;
-- ``partition-node`` (when namespaces can be made here: root, ``ip``, ``nft``): three nodes in network
-  namespaces, one cut off silently; the survivors re-form within the silent-peer bound, it rejoins after the heal;
+- ``partition-peers`` (when namespaces can be made here: root, ``ip``, ``nft``): three nodes in network
+  namespaces, one cut off silently from the other nodes but not from etcd; the rendezvous's reachability check
+  leaves it out, the others re-form, it rejoins after the heal;
 - a negative control: a job that forgets its data position on resume must fail the
   ``data-digest`` check, naming the step.
 
-``-m slow`` adds the long mixed scenarios (spot-day, bad-hour, flapping-node) and every
-single-fault scenario of the library.
+``-m slow`` adds the long mixed scenarios (spot-day, bad-hour, flapping-node, fault-a-minute), every
+single-fault scenario of the library, and the network scenarios with default timeouts (partition-node,
+lossy-link, partition-etcd).
 """
 
 from __future__ import annotations
@@ -91,6 +93,25 @@ def test_a_node_cut_off_silently_is_left_behind_within_the_bound_and_rejoins_whe
     records, _ = read_events(tmp_path / "work" / "logs")
     stores = {record["store"] for record in records if record["event"] == Event.PROCESS_GROUP_FORMED}
     assert stores and all(store.startswith("10.213.0.") for store in stores), stores  # namespace addresses only
+
+
+@pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
+def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_healed(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """partition-peers: node2 of three, each in its own network namespace, loses its links to the other nodes at
+    step 100 but still reaches etcd. Its heartbeats go on, so only the rendezvous's reachability check keeps the
+    next round from including it again: the other two train at world size 2 within the watchdog timeout (10 s
+    here) plus the check, and after the heal node2 rejoins; every check passes."""
+    scenario = load_scenario("partition-peers")
+    facts, checks, text = run(scenario, tmp_path, cache_dir)
+    assert not failures(checks), text
+    partition, heal = facts.faults
+    assert partition.fired and heal.fired, text
+    first_at_two = min(step.time for step in facts.steps if step.world_size == 2 and step.time > partition.fired_at)
+    assert first_at_two - partition.fired_at < 10 + 2 * 5 + 10, text  # watchdog + the check's two probe timeouts + a round
+    churn = [event for event in facts.events if event.kind == "resumed" and first_at_two < event.time < heal.fired_at]
+    assert not churn, "node2 re-joined while still cut off, and the others re-formed again\n" + text
+    assert any(step.world_size == 3 and step.time > heal.fired_at for step in facts.steps), "node2 never rejoined\n" + text
 
 
 REPLICA_JOB = {

@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from elastic_ddp.rendezvous import handler_factory
+from elastic_ddp.rendezvous import handler_factory, reach
 from tests.fixtures.etcd_proc import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -207,3 +207,52 @@ def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
     assert {report["world_size"] for report in reports} == {2}
     assert {report["sum"] for report in reports} == {3.0}
     assert sorted(report["group_rank"] for report in reports) == [0, 1]
+
+
+def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
+        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three agents of a 1:3 job; the third neither reaches the others nor is reached (its probe listener is
+    closed, its probes fail) but it heartbeats to etcd. The round leaves it out and the other two re-form at
+    world size 2 (without the check they would keep including it); it waits, and once its links are back it
+    re-joins the next round, which all three form."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60", "reach_timeout": "1"}
+    run_id = uuid.uuid4().hex[:8]
+    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3,
+                                                            local_addr="127.0.0.1", **conf)) for _ in range(3)]
+    cut_off = threading.Event()
+    cut_off.set()
+    probe = reach.probe
+
+    def probe_unless_cut_off(addresses, timeout):  # type: ignore[no-untyped-def]
+        return frozenset() if cut_off.is_set() and threading.current_thread().name == "node-2" else probe(addresses, timeout)
+
+    monkeypatch.setattr(reach, "probe", probe_unless_cut_off)
+    isolated = handlers[2]
+    isolated._probe_listener().close()  # type: ignore[attr-defined]
+    sizes: dict[int, int] = {}
+
+    def join(index: int) -> threading.Thread:
+        thread = threading.Thread(target=lambda: sizes.__setitem__(index, handlers[index].next_rendezvous().world_size),
+                                  name=f"node-{index}", daemon=True)
+        thread.start()
+        return thread
+
+    first = [join(index) for index in range(3)]
+    for thread in first[:2]:
+        thread.join(timeout=60)
+    assert sizes == {0: 2, 1: 2}
+    assert first[2].is_alive()  # stepped out, waiting to reach the others
+    assert handlers[0].num_nodes_waiting() == 0
+
+    cut_off.clear()
+    isolated._listener = reach.ProbeListener("127.0.0.1")  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while handlers[0].num_nodes_waiting() == 0:  # the agent's own poll: someone waits for the next round
+        assert time.monotonic() < deadline, "the node never re-joined after its links came back"
+        time.sleep(0.1)
+    second = [join(index) for index in range(2)]
+    for thread in [*second, first[2]]:
+        thread.join(timeout=60)
+    assert sizes == {0: 3, 1: 3, 2: 3}
+    for handler in handlers:
+        handler.shutdown()

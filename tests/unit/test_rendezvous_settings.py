@@ -84,6 +84,18 @@ def test_early_close_that_is_no_boolean_is_named() -> None:
         settings(early_close="sometimes")
 
 
+def test_the_reachability_check_is_on_with_five_seconds_unless_set() -> None:
+    parsed = settings()
+    assert (parsed.reach_check, parsed.reach_timeout) == (True, 5.0)
+    parsed = settings(reach_check="false", reach_timeout="0.5")
+    assert (parsed.reach_check, parsed.reach_timeout) == (False, 0.5)
+
+
+def test_bad_reachability_settings_are_named_together() -> None:
+    with pytest.raises(EtcdConfigError, match=r"(?s)reach_check='maybe' must be true or false.*reach_timeout='-1'"):
+        settings(reach_check="maybe", reach_timeout="-1")
+
+
 def test_integer_values_from_the_command_line_are_accepted() -> None:
     parsed = settings(ttl="600", read_timeout=" 20 ", join_timeout="40", keep_alive_interval=2)
     assert (parsed.ttl, parsed.read_timeout) == (600, 20)
