@@ -47,10 +47,17 @@ _MIN_ATTEMPT_TIMEOUT_S = 1.0
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # gRPC's own reconnect backoff grows to 120 s by default; a member that comes back
 # must be reachable again within about a second.
+# A silent partition leaves the TCP connection open, and TCP's retransmission timer backs off
+# (0.2 s doubling to tens of seconds), so a call in flight when the link comes back would wait
+# up to the cut's length again over the old connection. While a call is in flight, keep-alive
+# pings (every 10 s; etcd refuses pings more often than every 5 s by default) declare a
+# connection that does not answer within 5 s lost: the call fails over and reconnects.
 _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
 )
 _RETRY_ON_NEXT_ENDPOINT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 _INVALID_TOKEN_MARKERS = ("invalid auth token", "auth token is expired")

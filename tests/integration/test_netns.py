@@ -5,11 +5,15 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
+from chaos.etcd import start_etcd
 from chaos.netns import (
     OWNER_DIR,
     SUBNET,
@@ -158,3 +162,35 @@ def round_trip_s(client: socket.socket, peer: socket.socket, count: int = 5) -> 
         client.recv(1)
         times.append(time.monotonic() - started)
     return sorted(times)[count // 2]
+
+
+ETCD_PUT = str(Path(__file__).resolve().parents[1] / "fixtures" / "etcd_put_after_signal.py")
+CUT_S = 30.0
+
+
+@pytest.mark.slow  # the cut must last long enough for TCP's retransmission timer to back off
+def test_an_etcd_call_caught_in_a_long_partition_completes_soon_after_the_heal(fabric: Fabric, tmp_path: Path) -> None:
+    """A put to etcd sent just after a node lost its link to etcd, with a deadline longer than the cut. TCP
+    retransmits the request at doubling intervals (0.2 s ... 25.6 s), so over the same connection it would go
+    through about 21 s after a 30 s cut healed; gRPC keep-alive pings declare the dead connection lost, the
+    client reconnects, and the put completes within seconds of the heal."""
+    with ExitStack() as stack:
+        etcd = start_etcd("embedded", tmp_path, stack, fabric=fabric)
+        node = fabric.add_host("n0")
+        client = subprocess.Popen([*exec_prefix(node.namespace), sys.executable, ETCD_PUT, etcd.endpoint, "90"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stack.callback(client.wait, 10)
+        stack.callback(client.kill)
+        assert client.stdin is not None and client.stdout is not None
+        assert client.stdout.readline().strip() == "ready"
+        fabric.partition(["n0"], ["e0"])
+        fabric.partition(["e0"], ["n0"])
+        client.stdin.write("1\n")
+        client.stdin.flush()
+        time.sleep(CUT_S)  # the fault's duration, not a wait for a condition
+        fabric.heal()
+        healed = time.monotonic()
+        answer = client.stdout.readline().strip()
+        after_heal = time.monotonic() - healed
+        assert not answer.startswith("failed"), answer
+        assert after_heal < 12, f"the put completed {after_heal:.1f} s after the heal (it took {answer} s in all)"
