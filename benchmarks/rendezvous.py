@@ -21,6 +21,8 @@ Parts:
       ``-m elastic_ddp.prefork`` (a per-node fork server that imported torch once);
     - ``etcd-v3 + prefork, no store probe``: as ``etcd-v3 + prefork``, with the workers' wait for
       rank 0's store to listen turned off (``ELASTIC_DDP_STORE_PROBE=0``): torch's client backoff;
+    - ``etcd-v3 + prefork, no reach check``: as ``etcd-v3 + prefork``, with ``--rdzv-conf
+      reach_check=false``: what the rendezvous's reachability check costs each re-formation;
     - ``c10d torch default``: the variable unset, i.e. torch's shared agent store.
 
     Per kill: recovery time (kill -> first step completed by the new attempt, from the wall-clock
@@ -88,6 +90,7 @@ from chaos.cluster import LocalCluster, wait_for  # noqa: E402
 from elastic_ddp.distributed import STORE_PROBE_ENV  # noqa: E402
 from tests.fixtures.etcd_jobs import (  # noqa: E402
     AGENT_INFO,
+    ETCD_CONF,
     FRESH_STORE_ENV,
     committed_step,
     job_args,
@@ -126,6 +129,8 @@ class Loop:
     env: dict[str, str]
     unset: tuple[str, ...]
     prefork: bool = False
+    conf: tuple[tuple[str, str], ...] = ()
+    """``--rdzv-conf`` keys added to the tests' etcd-v3 settings."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,8 @@ def run_loop(loop: Loop, kills: int, endpoint: str, workdir: Path, rng: random.R
     """``kills`` consecutive kill -9s of a random worker in one job; one outcome per kill."""
     job = make_job(workdir, job_args(workdir, FOREVER_STEPS, checkpoint_every=10), backend=loop.backend,
                    endpoint=endpoint, nnodes=str(NODES), nproc=1, max_restarts=3 * kills + 10,
-                   env={**AGENT_INFO, **loop.env}, unset=loop.unset, prefork=loop.prefork)
+                   env={**AGENT_INFO, **loop.env}, unset=loop.unset, prefork=loop.prefork,
+                   conf={**ETCD_CONF, **dict(loop.conf)} if loop.conf else None)
     outcomes: list[KillOutcome] = []
     with job:
         job.start(NODES)
@@ -227,6 +233,8 @@ def restart_loops(kills: int, recovery_kills: int, default_kills: int, endpoint:
         (Loop("etcd-v3 + prefork", "etcd-v3", {}, (FRESH_STORE_ENV,), prefork=True), recovery_kills),
         (Loop("etcd-v3 + prefork, no store probe", "etcd-v3", {STORE_PROBE_ENV: "0"}, (FRESH_STORE_ENV,), prefork=True),
          recovery_kills),
+        (Loop("etcd-v3 + prefork, no reach check", "etcd-v3", {}, (FRESH_STORE_ENV,), prefork=True,
+              conf=(("reach_check", "false"),)), recovery_kills),
         (Loop("c10d fresh store + prefork", "c10d", {FRESH_STORE_ENV: "1"}, (), prefork=True), recovery_kills),
         (Loop("c10d torch default", "c10d", {}, (FRESH_STORE_ENV,)), default_kills),
     ]
