@@ -501,6 +501,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         started = time.monotonic()
         while True:
             try:
+                if isinstance(self._state_holder, _BackendRendezvousStateHolder):
+                    self._state_holder._last_sync_time = -1.0  # read the state now, not torch's cached copy
                 self._state_holder.sync()
                 state = self._state_holder.state
                 if state.closed:
