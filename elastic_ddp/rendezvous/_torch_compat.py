@@ -100,8 +100,9 @@ REQUIRED = (
     ),
     Private(
         name="RendezvousSettings",
-        attributes=("min_nodes", "max_nodes"),
-        used_in="etcd._may_close_early: a round closes early only with min_nodes to max_nodes participants",
+        attributes=("min_nodes", "max_nodes", "run_id", "timeout", "keep_alive_interval"),
+        used_in="etcd._may_close_early (min_nodes to max_nodes participants); the handler's reachability check "
+                "and outage probes (run_id, timeout.join, keep_alive_interval)",
     ),
     Private(
         name="_RendezvousStateHolder",
