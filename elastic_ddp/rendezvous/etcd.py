@@ -423,26 +423,34 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._last_probe = 0.0
         self._listener: reach.ProbeListener | None = None
         self._reach_timeout: float | None = None
+        self._local_addr_given = True
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     def attach(
-        self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True, reach_timeout: float | None = None
+        self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True,
+        reach_timeout: float | None = None, local_addr_given: bool = True,
     ) -> None:
         """Give the handler the store and backend it was built on (torch's constructor takes both, but
         keeps them where neither this class's probes nor the operation executor can see them), the
         ``early_close`` setting (see :class:`_OpExecutor`), and the reachability check's timeout
-        (``None``: no check; see the class docstring)."""
+        (``None``: no check; see the class docstring) and whether torchrun was given ``--local-addr``
+        (the probe listener binds that address; without it, every interface)."""
         self._etcd_store = store
         self._op_executor.backend = backend
         self._op_executor.early_close = early_close
         self._reach_timeout = reach_timeout
+        self._local_addr_given = local_addr_given
 
     def _probe_listener(self) -> reach.ProbeListener | None:
         """This agent's probe listener, opened at the first round of more than one node (a job of one node
         listens on nothing); ``None`` without the check or when this node's address cannot be bound."""
         if self._listener is None and self._reach_timeout is not None:
             try:
-                self._listener = reach.ProbeListener(self._this_node.addr)
+                # torchrun without --local-addr names this node by its FQDN, which may resolve to a
+                # loopback address here (Debian's 127.0.1.1) and to the real one elsewhere: then
+                # listen everywhere, as the workers' TCPStore does
+                bind = self._this_node.addr if self._local_addr_given else ""
+                self._listener = reach.ProbeListener(self._this_node.addr, bind=bind)
             except OSError as exc:
                 logger.warning(
                     "etcd-v3: no reachability check: cannot listen on this node's address %s (%s); set "
@@ -692,7 +700,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )  # fmt: skip
     handler.attach(store, backend, early_close=settings.early_close,
-                   reach_timeout=settings.reach_timeout if settings.reach_check else None)
+                   reach_timeout=settings.reach_timeout if settings.reach_check else None,
+                   local_addr_given=bool(params.local_addr))
     return handler
 
 

@@ -5,7 +5,8 @@ every round includes it again and forming the process group waits for a peer tha
 reach. With it, each agent, once a round completes:
 
 1. publishes the address of its probe listener (a TCP socket the agent holds open for its
-   whole life, on its own ``--local-addr``) under the round's store as ``reach/addr/<rank>``;
+   whole life, on its ``--local-addr``, or on every interface when torchrun was given none, as
+   the workers' store does) under the round's store as ``reach/addr/<rank>``;
 2. connects to every other agent's listener, all at once, each within ``reach_timeout``
    (a connection needs packets both ways, so a one-way cut is a cut too);
 3. publishes the ranks it reached as ``reach/seen/<rank>``, and waits for the others' lists
@@ -51,10 +52,15 @@ class ProbeListener:
     The kernel completes a connection before ``accept`` runs, so a busy agent answers as fast as
     its network does."""
 
-    def __init__(self, host: str) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.bind((host, 0))
+    def __init__(self, host: str, bind: str | None = None) -> None:
+        """Listen on ``bind`` (default ``host``; ``""``: every interface) and advertise ``host``."""
+        bind = host if bind is None else bind
+        if bind:
+            self._socket = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET, socket.SOCK_STREAM)
+            self._socket.bind((bind, 0))
+        else:
+            self._socket = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True) \
+                if socket.has_dualstack_ipv6() else socket.create_server(("", 0))
         self._socket.listen(64)
         self.host = host
         self.port: int = self._socket.getsockname()[1]

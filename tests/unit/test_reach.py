@@ -138,3 +138,14 @@ def test_a_malformed_verdict_in_the_store_is_an_error_naming_the_key() -> None:
             reach.check_round(server, 0, 1, listener, timeout=0.5)
     finally:
         listener.close()
+
+
+def test_a_listener_advertises_the_node_name_it_was_given_and_listens_where_told() -> None:
+    """torchrun without --local-addr names a node by its FQDN; the listener then advertises that name (the other
+    nodes resolve it) and binds elsewhere (in the handler: every interface; here 127.0.0.1)."""
+    listener = reach.ProbeListener("node7.example", bind="127.0.0.1")
+    try:
+        assert listener.address == f"node7.example:{listener.port}"
+        assert reach.reaches(("127.0.0.1", listener.port), timeout=2.0)
+    finally:
+        listener.close()
