@@ -48,6 +48,7 @@ from chaos.s3 import BUCKET, StorageProxy, client_env, start_on_free_port, stora
 from chaos.scenario import ETCD_CONF, RDZV_CONF, Scenario
 from chaos.verify import (
     NOT_REACHED,
+    REFERENCE_TIMEOUT_S,
     NodeOutcome,
     ReferenceFacts,
     RunFacts,
@@ -391,7 +392,9 @@ def run_scenario(scenario: Scenario, options: RunOptions) -> RunFacts:
     if workdir.exists() and any(workdir.iterdir()):
         raise VerifyError(f"work directory {workdir} is not empty: every run needs a fresh one")
     workdir.mkdir(parents=True, exist_ok=True)
-    reference = reference_run(scenario.job, scenario.cluster.start_world_size, options.cache_dir)
+    # the clean run does the same steps without faults: the scenario's own time limit bounds it too
+    reference = reference_run(scenario.job, scenario.cluster.start_world_size, options.cache_dir,
+                              timeout_s=max(REFERENCE_TIMEOUT_S, scenario.timeout_s))
     with ExitStack() as stack:
         services = start_services(scenario, workdir, stack)
         cluster = LocalCluster(job_spec(scenario, services, workdir), workdir, services.fabric)

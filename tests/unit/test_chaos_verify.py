@@ -379,3 +379,27 @@ def test_without_matplotlib_the_report_says_so_and_has_no_png(tmp_path: Path, mo
     assert files.png is None and files.png_note == NO_MATPLOTLIB
     assert NO_MATPLOTLIB in files.markdown.read_text()
     assert '"timeline_png": null' in files.json.read_text()
+
+
+def test_a_long_scenarios_reference_run_gets_the_scenarios_time_not_15_minutes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fault-a-minute's clean reference (22,000 steps at world size 3) takes about 18 minutes on two cores; it
+    timed out at the reference's fixed 900 s although the scenario allows itself 1,500."""
+    import chaos.runner
+    from chaos.runner import RunOptions, run_scenario
+    from chaos.scenario import load_scenario
+
+    limits: list[float] = []
+
+    class Stop(Exception):
+        pass
+
+    def reference_run(job, world_size, cache_dir, timeout_s=900.0):  # type: ignore[no-untyped-def]
+        limits.append(timeout_s)
+        raise Stop
+
+    monkeypatch.setattr(chaos.runner, "reference_run", reference_run)
+    scenario = load_scenario("fault-a-minute")
+    with pytest.raises(Stop):
+        run_scenario(scenario, RunOptions(workdir=tmp_path / "work", cache_dir=tmp_path / "cache"))
+    assert limits == [scenario.timeout_s]
