@@ -44,6 +44,7 @@ def build_report(scenario: Scenario, facts: RunFacts, checks: list[Check]) -> di
         "goodput": round(goodput(facts.steps, starts, facts.started_at, facts.ended_at), 4),
         "startup_s": round(began - facts.started_at, 2),
         "goodput_after_startup": round(goodput(facts.steps, starts, began, facts.ended_at), 4),
+        "goodput_figures": asdict(scenario.goodput),
         "reference": {"world_size": facts.reference.world_size, "wall_s": round(facts.reference.wall_s, 1),
                       "checkpoint": facts.reference.checkpoint_uri},
         **facts_summary(facts),
@@ -67,6 +68,28 @@ def _fault_entry(record: Any, figures: Any, origin: float) -> dict[str, Any]:
     }
 
 
+def _goodput_figures(report: dict[str, Any]) -> list[str]:
+    """The scenario's ``[goodput]`` figures next to the run's: ``before`` and ``target``, each whole run
+    (after start-up), with whether the target was met."""
+    figures = report.get("goodput_figures") or {}
+    lines = []
+
+    def pair(whole: float | None, after: float | None) -> str:
+        return " ".join(part for part in (
+            f"{100 * whole:.1f}%" if whole is not None else "",
+            f"({100 * after:.1f}% after start-up)" if after is not None else "") if part)
+
+    if figures.get("before") is not None or figures.get("before_after_startup") is not None:
+        note = f", {figures['before_note']}" if figures.get("before_note") else ""
+        lines.append(f"goodput before{note}: {pair(figures.get('before'), figures.get('before_after_startup'))}")
+    target, target_after = figures.get("target"), figures.get("target_after_startup")
+    if target is not None or target_after is not None:
+        met = all(goal is None or report[name] >= goal
+                  for name, goal in (("goodput", target), ("goodput_after_startup", target_after)))
+        lines.append(f"goodput target: at least {pair(target, target_after)}: {'met' if met else 'NOT met'}")
+    return [""] + lines if lines else []
+
+
 def _rel(when: float | None, origin: float) -> float | None:
     return None if when is None else round(when - origin, 2)
 
@@ -83,6 +106,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"after the {report['startup_s']:.0f} s to the first step) | world sizes "
         f"{', '.join(map(str, report['world_sizes']))} | {report['resumes']} resume(s) | reference at world size "
         f"{report['reference']['world_size']}",
+        *_goodput_figures(report),
         "",
         "Times are seconds after the fault: the job noticed it (detect), the torchrun agents completed a "
         "rendezvous round, the new workers formed their process group, and completed their first step; the "

@@ -221,6 +221,20 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GoodputFigures:
+    """``[goodput]``: figures a report prints next to the run's own goodput (shares of the wall time, 0 to 1),
+    over the whole run and after start-up (from the first step on)."""
+
+    before: float | None = None
+    """Measured before the work this scenario tracks (``before_note`` says which)."""
+    before_after_startup: float | None = None
+    before_note: str = ""
+    target: float | None = None
+    """The run meets it when its goodput is at least this."""
+    target_after_startup: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Scenario:
     """A validated scenario."""
 
@@ -235,6 +249,7 @@ class Scenario:
     job: JobConfig
     cluster: ClusterConfig
     faults: tuple[FaultSpec, ...] = ()
+    goodput: GoodputFigures = GoodputFigures()
     path: str = ""
 
 
@@ -279,13 +294,28 @@ def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
     job = _parse_job(reader.table("job"), problems)
     cluster = _parse_cluster(reader.table("cluster"), problems)
     faults = tuple(_parse_fault(item, index, problems) for index, item in enumerate(reader.tables("faults")))
+    goodput = _parse_goodput(_Reader(reader._get("goodput", False) or {}, "goodput.", problems))
     reader.reject_unknown()
     if not problems:
         problems += fault_problems(faults, cluster)
     if problems:
         raise ScenarioError(f"{where}: invalid scenario:\n  " + "\n  ".join(problems))
     return Scenario(name=name, description=description, seed=seed, timeout_s=timeout_s, open_schedule=open_schedule, job=job,
-                    cluster=cluster, faults=faults, path=where)
+                    cluster=cluster, faults=faults, goodput=goodput, path=where)
+
+
+def _parse_goodput(reader: _Reader) -> GoodputFigures:
+    def share(name: str) -> float | None:
+        value = reader.number(name, minimum=0.0)
+        if value is not None and value > 1.0:
+            reader.problem(name, f"is a share of the wall time (0 to 1), got {value}")
+        return value
+
+    figures = GoodputFigures(before=share("before"), before_after_startup=share("before_after_startup"),
+                             before_note=reader.string("before_note"), target=share("target"),
+                             target_after_startup=share("target_after_startup"))
+    reader.reject_unknown()
+    return figures
 
 
 def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:

@@ -12,7 +12,7 @@ import pytest
 
 from chaos.faults import Commit, FaultRecord
 from chaos.report import NO_MATPLOTLIB, build_report, markdown, write_report
-from chaos.scenario import parse_scenario
+from chaos.scenario import ScenarioError, parse_scenario
 from chaos.verify import (
     NOT_REACHED,
     CheckpointFacts,
@@ -368,6 +368,30 @@ def test_the_report_has_one_entry_per_fault_and_a_table_row_per_check() -> None:
     text = markdown(report)
     assert "# Chaos: t - PASSED" in text and "| data-digest | pass |" in text
     assert "| 0:kill-worker | 7.0 | rank 1 (pid 7) | 0.3 | 1.0 | 3.0 | 4.1 | 4.1 | 5 | 2 | SIGKILL |" in text
+
+
+def test_the_report_prints_the_scenarios_goodput_before_and_target_next_to_the_runs() -> None:
+    document = {"name": "t", "job": {"script": "examples/train.py", "max_steps": 100, "checkpoint_every": 20},
+                "cluster": {"nodes": "1:2", "start_nodes": 2},
+                "goodput": {"before": 0.5, "before_after_startup": 0.6, "before_note": "last year", "target": 0.1,
+                            "target_after_startup": 0.2}}
+    facts = clean_facts()
+    report = build_report(parse_scenario(document), facts, run_checks(facts))
+    text = markdown(report)
+    assert "goodput before, last year: 50.0% (60.0% after start-up)" in text
+    assert "goodput target: at least 10.0% (20.0% after start-up): met" in text
+    document["goodput"] = {"target_after_startup": 1.0}
+    assert "goodput target: at least (100.0% after start-up): NOT met" in markdown(
+        build_report(parse_scenario(document), facts, run_checks(facts)))
+    del document["goodput"]
+    assert "goodput before" not in markdown(build_report(parse_scenario(document), facts, run_checks(facts)))
+
+
+def test_goodput_figures_must_be_shares_and_known() -> None:
+    document = {"name": "t", "job": {"script": "examples/train.py", "max_steps": 100, "checkpoint_every": 20},
+                "cluster": {"nodes": "1:2", "start_nodes": 2}, "goodput": {"target": 97, "after": 0.9}}
+    with pytest.raises(ScenarioError, match=r"(?s)goodput.target: is a share.*got 97.*goodput.after: unknown key"):
+        parse_scenario(document)
 
 
 def test_without_matplotlib_the_report_says_so_and_has_no_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
