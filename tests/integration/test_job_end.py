@@ -81,6 +81,7 @@ def test_a_finished_job_exits_0_when_etcd_is_gone(etcd_server: EtcdServer, tmp_p
     assert took < 20, "the agents exited %.1f s after etcd was killed" % took
 
 
+@pytest.mark.slow  # 40 s; partition-etcd (slow) shows the same in namespaces, and the default suite neared 15 minutes
 def test_an_etcd_outage_longer_than_read_timeout_does_not_stop_a_training_job(
     etcd_server: EtcdServer, tmp_path: Path
 ) -> None:

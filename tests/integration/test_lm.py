@@ -74,6 +74,7 @@ def split_run(workdir: Path, name: str, extra: list[str], resume_nproc: int) -> 
     return inspect(str(straight)), split
 
 
+@pytest.mark.slow  # 26 s; the default suite keeps the LM resume at another world size, and it neared 15 minutes
 def test_resume_at_the_same_world_size_is_bitwise_identical_with_bf16_autocast(workdir: Path) -> None:
     reference, split = split_run(workdir, "bf16", [], resume_nproc=2)
     resumed = inspect(str(split))
