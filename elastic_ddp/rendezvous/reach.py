@@ -115,8 +115,8 @@ def probe(addresses: Mapping[T, tuple[str, int]], timeout: float) -> frozenset[T
     if not addresses:
         return frozenset()
     with ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="etcd-v3-reach") as pool:
-        outcomes = dict(zip(addresses, pool.map(lambda rank: reaches(addresses[rank], timeout), addresses)))
-    return frozenset(rank for rank, ok in outcomes.items() if ok)
+        outcomes = dict(zip(addresses, pool.map(lambda key: reaches(addresses[key], timeout), addresses)))
+    return frozenset(key for key, ok in outcomes.items() if ok)
 
 
 def exclusions(world_size: int, seen: Mapping[int, frozenset[int] | None]) -> frozenset[int]:
@@ -172,9 +172,7 @@ def check_round(store: dist.Store, rank: int, world_size: int, listener: ProbeLi
     deadline = started + 2 * timeout
     others = [other for other in range(world_size) if other != rank]
     store.set(ADDRESS_KEY % rank, listener.address)
-    addresses = _read_present(store, [ADDRESS_KEY % other for other in others], deadline - timeout)
-    targets = {other: address for other, value in zip(others, addresses) if value is not None
-               and (address := parse_address(value)) is not None}
+    targets = _addresses(others, _read_present(store, [ADDRESS_KEY % other for other in others], deadline - timeout))
     reached = probe(targets, timeout) | {rank}
     store.set(SEEN_KEY % rank, encode_ranks(reached))
     lists = _read_present(store, [SEEN_KEY % other for other in range(world_size)], deadline)
@@ -195,16 +193,18 @@ def check_round(store: dist.Store, rank: int, world_size: int, listener: ProbeLi
 
 def node_addresses(store: dist.Store, nodes: list[str]) -> dict[str, tuple[str, int]]:
     """The probe addresses the given nodes published under :data:`NODE_KEY` (those present and well formed)."""
-    found: dict[str, tuple[str, int]] = {}
-    for node in nodes:
-        key = NODE_KEY % node
-        if store.check([key]) and (address := parse_address(bytes(store.get(key)))) is not None:
-            found[node] = address
-    return found
+    return _addresses(nodes, _read_present(store, [NODE_KEY % node for node in nodes], deadline=0.0))
+
+
+def _addresses(ids: Iterable[T], values: Iterable[bytes | None]) -> dict[T, tuple[str, int]]:
+    """Each id's address from the value read for it, leaving out the missing and the malformed."""
+    return {key: address for key, value in zip(ids, values)
+            if value is not None and (address := parse_address(value)) is not None}
 
 
 def _read_present(store: dist.Store, keys: list[str], deadline: float) -> list[bytes | None]:
-    """Each key's value, waiting for all of them until ``deadline``; then ``None`` for those still missing."""
+    """Each key's value, waiting for all of them until ``deadline`` (monotonic; a past one: no wait); then
+    ``None`` for those still missing."""
     if not keys:
         return []
     remaining = deadline - time.monotonic()
