@@ -294,7 +294,7 @@ def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
     job = _parse_job(reader.table("job"), problems)
     cluster = _parse_cluster(reader.table("cluster"), problems)
     faults = tuple(_parse_fault(item, index, problems) for index, item in enumerate(reader.tables("faults")))
-    goodput = _parse_goodput(_Reader(reader._get("goodput", False) or {}, "goodput.", problems))
+    goodput = _parse_goodput(reader.table("goodput", required=False))
     reader.reject_unknown()
     if not problems:
         problems += fault_problems(faults, cluster)
@@ -566,8 +566,8 @@ class _Reader:
             return default
         return value
 
-    def table(self, name: str) -> _Reader:
-        return _Reader(self._get(name, True) or {}, f"{self.prefix}{name}.", self.problems)
+    def table(self, name: str, required: bool = True) -> _Reader:
+        return _Reader(self._get(name, required) or {}, f"{self.prefix}{name}.", self.problems)
 
     def tables(self, name: str) -> list[_Reader]:
         value = self._get(name, False)
