@@ -120,6 +120,32 @@ def server_address(agent_pid: int, script: str, preload: str | None = None) -> s
     return f"\0elastic-ddp-prefork-{os.getuid()}-{agent_pid}-{digest}"
 
 
+def warming_address(agent_pid: int) -> str:
+    """The abstract socket a server of ``agent_pid`` listens on while it imports, and closes once warm."""
+    return f"\0elastic-ddp-prefork-{os.getuid()}-{agent_pid}-warming"
+
+
+def wait_until_warm(agent_pid: int, timeout: float) -> float | None:
+    """Wait while a fork server of ``agent_pid`` imports what workers need; the seconds waited, or
+    ``None`` at once when none is importing (none started, or it is warm already).
+
+    The agent's rendezvous calls this before it joins, so that a node which joins a running job
+    does not stop the others while its first worker waits for the server's imports. The server
+    closes its warming socket once its imports are done, or fails, or dies: every way out wakes
+    this call. After ``timeout`` it returns anyway (the first worker then waits as before)."""
+    sock = _connect(warming_address(agent_pid))
+    if sock is None:
+        return None
+    began = time.monotonic()
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            sock.recv(1)  # never answered: the server closes the listener and this connection is reset
+        except OSError:
+            pass
+    return time.monotonic() - began
+
+
 def start_server(agent_pid: int, script: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start the fork server for ``agent_pid``'s workers running ``script``; returns at once.
 
@@ -240,7 +266,14 @@ def serve(address: str, agent_pid: int) -> int:
         agent = os.pidfd_open(agent_pid)
     except ProcessLookupError:
         return 0
+    warming = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        warming.bind(warming_address(agent_pid))
+        warming.listen(8)
+    except OSError:  # a server of the same agent for another script is importing too; it tells
+        pass
     failure = _preload()
+    warming.close()  # wakes the agent's rendezvous if it waits (wait_until_warm)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(agent, selectors.EVENT_READ, "agent")

@@ -89,6 +89,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     Token,
 )
 
+from elastic_ddp import prefork
 from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
     _Action,
@@ -464,7 +465,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class; with the reachability check, a round is returned only once every pair of
-        its nodes reaches each other (see the class docstring)."""
+        its nodes reaches each other (see the class docstring). A node whose fork server
+        (:mod:`elastic_ddp.prefork`) is still importing joins once it is warm: joining earlier would
+        stop a running job's workers until this node's first worker can start."""
+        warmed = prefork.wait_until_warm(os.getpid(), self._settings.timeout.join.total_seconds())
+        if warmed is not None:
+            logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",
+                        self._settings.run_id, warmed)
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         while True:
             info = super().next_rendezvous()

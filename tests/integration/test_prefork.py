@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from chaos.cluster import fork_servers, process_alive, wait_for
+from elastic_ddp import prefork
 
 pytestmark = pytest.mark.integration
 
@@ -150,3 +151,52 @@ def _ready_worker(path: Path) -> int:
     """The pid a ``wait`` worker wrote to ``path`` once it was ready."""
     wait_for(path.exists, WAIT_S, f"the worker to write {path}")
     return int(path.read_text())
+
+
+@pytest.fixture
+def importing_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
+    """A fork server for this process as its agent, whose imports block until ``release`` exists;
+    it writes ``imported`` when they are done."""
+    release, imported = tmp_path / "release", tmp_path / "imported"
+    env = {**os.environ, "ELASTIC_DDP_PREFORK_PRELOAD": "tests.fixtures.prefork_gate",
+           "PREFORK_GATE_RELEASE": str(release), "PREFORK_GATE_IMPORTED": str(imported)}
+    server = prefork.start_server(os.getpid(), WORKER, env)
+    try:
+        wait_for(_importing, START_S, "the server to listen while it imports")
+        yield server, release, imported
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _importing() -> bool:
+    """Whether a fork server of this process listens on its warming socket."""
+    sock = prefork._connect(prefork.warming_address(os.getpid()))
+    if sock is not None:
+        sock.close()
+    return sock is not None
+
+
+def test_an_agent_without_an_importing_server_does_not_wait() -> None:
+    assert prefork.wait_until_warm(os.getpid(), timeout=WAIT_S) is None
+
+
+def test_the_wait_for_a_warm_server_ends_once_its_imports_are_done(importing_server) -> None:
+    _, release, imported = importing_server
+    waited: queue.Queue[float | None] = queue.Queue()
+    threading.Thread(target=lambda: waited.put(prefork.wait_until_warm(os.getpid(), timeout=START_S)), daemon=True).start()
+    with pytest.raises(queue.Empty):
+        waited.get(timeout=1.0)  # still importing: the wait goes on
+    release.touch()
+    assert waited.get(timeout=START_S) > 1.0
+    assert imported.exists(), "the wait ended before the server's imports were done"
+    assert prefork.wait_until_warm(os.getpid(), timeout=WAIT_S) is None  # warm: no wait any more
+
+
+def test_the_wait_ends_when_an_importing_server_dies(importing_server) -> None:
+    server, _, imported = importing_server
+    waited: queue.Queue[float | None] = queue.Queue()
+    threading.Thread(target=lambda: waited.put(prefork.wait_until_warm(os.getpid(), timeout=START_S)), daemon=True).start()
+    server.kill()
+    assert waited.get(timeout=WAIT_S) is not None
+    assert not imported.exists()

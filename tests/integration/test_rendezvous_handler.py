@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from elastic_ddp import prefork
 from elastic_ddp.rendezvous import handler_factory, reach
 from tests.fixtures.etcd_proc import EtcdServer
 
@@ -123,6 +126,24 @@ def test_without_leaving_the_survivor_waits_for_the_departed_node(etcd_server: E
         survivor.next_rendezvous()
     for handler in (silent, survivor):
         handler.shutdown()
+
+
+def test_a_node_joins_once_its_fork_server_is_warm(etcd_server: EtcdServer) -> None:
+    """While this agent's fork server imports (it listens on its warming socket: here the test holds
+    that socket), the node does not join; it does at once when the socket closes."""
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, uuid.uuid4().hex[:8], 1))
+    warming = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    warming.bind(prefork.warming_address(os.getpid()))
+    warming.listen(8)
+    sizes: queue.Queue[int] = queue.Queue()
+    threading.Thread(target=lambda: sizes.put(handler.next_rendezvous().world_size), daemon=True).start()
+    try:
+        with pytest.raises(queue.Empty):
+            sizes.get(timeout=2.0)  # a round of one node would have completed at once
+    finally:
+        warming.close()
+    assert sizes.get(timeout=30) == 1
+    handler.shutdown()
 
 
 def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server: EtcdServer) -> None:
