@@ -120,6 +120,27 @@ def server_address(agent_pid: int, script: str, preload: str | None = None) -> s
     return f"\0elastic-ddp-prefork-{os.getuid()}-{agent_pid}-{digest}"
 
 
+def torchrun_worker_script(argv: Sequence[str] | None = None) -> str | None:
+    """The script that this process, a torchrun agent, runs through ``-m elastic_ddp.prefork``
+    (``argv``: its command line, default ``sys.argv``); ``None`` for another program or script.
+
+    The etcd-v3 rendezvous starts the node's fork server with it before the node first joins (see
+    :func:`wait_until_warm`), instead of the first launcher after the rendezvous."""
+    argv = sys.argv if argv is None else argv
+    program = os.path.realpath(argv[0]) if argv else ""
+    if os.path.basename(program) != "torchrun" and not program.endswith(os.path.join("torch", "distributed", "run.py")):
+        return None
+    from torch.distributed.run import get_args_parser  # an agent imported torch already; a launcher never gets here
+
+    try:
+        args = get_args_parser().parse_args(list(argv[1:]))  # what torchrun itself parsed, so no error
+    except SystemExit:
+        return None
+    if args.module and not args.no_python and args.training_script == "elastic_ddp.prefork" and args.training_script_args:
+        return args.training_script_args[0]
+    return None
+
+
 def warming_address(agent_pid: int) -> str:
     """The abstract socket a server of ``agent_pid`` listens on while it imports, and closes once warm."""
     return f"\0elastic-ddp-prefork-{os.getuid()}-{agent_pid}-warming"

@@ -64,6 +64,7 @@ import atexit
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -424,6 +425,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._last_probe = 0.0
         self._listener: reach.ProbeListener | None = None
         self._reach_timeout: float | None = None
+        self._fork_server_started = False
+        self._fork_server: subprocess.Popen | None = None  # held so it is not reported as never waited for
         self._local_addr_given = True
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -468,6 +471,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         its nodes reaches each other (see the class docstring). A node whose fork server
         (:mod:`elastic_ddp.prefork`) is still importing joins once it is warm: joining earlier would
         stop a running job's workers until this node's first worker can start."""
+        if not self._fork_server_started:
+            self._fork_server_started = True
+            script = prefork.torchrun_worker_script()
+            if script is not None:  # started here, its imports overlap this agent's; else by the first launcher
+                self._fork_server = prefork.start_server(os.getpid(), script)
         warmed = prefork.wait_until_warm(os.getpid(), self._settings.timeout.join.total_seconds())
         if warmed is not None:
             logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",

@@ -178,13 +178,14 @@ def test_a_first_contact_within_connect_timeout_is_enough(etcd_server: EtcdServe
     handler.shutdown()
 
 
-def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool) -> subprocess.Popen[bytes]:
+def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool, nodes: int = 2,
+             launcher: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
+        "--nnodes=%d" % nodes, "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
         "--rdzv-backend=etcd-v3", "--rdzv-endpoint=%s" % endpoint, "--rdzv-id=%s" % run_id,
         "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30",
-        "--local-addr=127.0.0.1", str(WORKER), str(out_dir),
+        "--local-addr=127.0.0.1", *launcher, str(WORKER), str(out_dir),
     ]  # fmt: skip
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if share_store else "1"
@@ -228,6 +229,22 @@ def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
     assert {report["world_size"] for report in reports} == {2}
     assert {report["sum"] for report in reports} == {3.0}
     assert sorted(report["group_rank"] for report in reports) == [0, 1]
+
+
+def test_a_torchrun_agent_starts_its_fork_server_before_it_joins(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """With ``-m elastic_ddp.prefork``, the etcd-v3 handler starts the node's fork server itself (its
+    imports overlap the agent's own start) rather than leaving it to the first worker's launcher after
+    the rendezvous: the server's parent is the agent, and the worker was forked by it."""
+    agent = torchrun(etcd_server.endpoint, uuid.uuid4().hex[:8], tmp_path, tmp_path / "agent.log", share_store=False,
+                     nodes=1, launcher=("-m", "elastic_ddp.prefork"))
+    try:
+        agent.wait(timeout=120)
+    finally:
+        stop_process_group(agent)
+    assert agent.returncode == 0, (tmp_path / "agent.log").read_text(errors="replace")[-3000:]
+    report = json.loads((tmp_path / "rank-0.json").read_text())
+    assert report["parent"] != agent.pid and report["grandparent"] == agent.pid
+    assert report["agent"] == agent.pid
 
 
 def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
