@@ -476,7 +476,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             script = prefork.torchrun_worker_script()
             if script is not None:  # started here, its imports overlap this agent's; else by the first launcher
                 self._fork_server = prefork.start_server(os.getpid(), script)
-        warmed = prefork.wait_until_warm(os.getpid(), self._settings.timeout.join.total_seconds())
+        warm_within = min(self._settings.timeout.join.total_seconds(), prefork.START_TIMEOUT_S)  # a launcher's patience
+        warmed = prefork.wait_until_warm(os.getpid(), warm_within)
         if warmed is not None:
             logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",
                         self._settings.run_id, warmed)
