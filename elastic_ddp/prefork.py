@@ -43,6 +43,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -168,7 +169,11 @@ def wait_until_warm(agent_pid: int, timeout: float) -> float | None:
 
 
 def start_server(agent_pid: int, script: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start the fork server for ``agent_pid``'s workers running ``script``; returns at once.
+    """Start the fork server for ``agent_pid``'s workers running ``script``; returns at once. The
+    process returned exits as soon as the server listens (on its address and, while it imports,
+    on its warming socket) and has detached from it, or found another server there; a thread
+    reaps it. So the server is not the caller's child, and once the process has exited,
+    :func:`wait_until_warm` sees the server.
 
     The first launcher of an agent calls this when it finds no server. Whoever starts the agent
     may call it right after (``chaos.cluster`` does), so that the server's imports overlap the
@@ -176,11 +181,13 @@ def start_server(agent_pid: int, script: str, env: dict[str, str] | None = None)
     The server holds none of the caller's files (a pipe it held would never see EOF)."""
     env = dict(os.environ if env is None else env)
     address = server_address(agent_pid, script, env.get(PRELOAD_ENV, ""))
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-u", "-m", "elastic_ddp.prefork", "--serve", address[1:], str(agent_pid), script],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )
+    threading.Thread(target=process.wait, name="prefork-reaper", daemon=True).start()
+    return process
 
 
 def _connect(address: str) -> socket.socket | None:
@@ -293,6 +300,8 @@ def serve(address: str, agent_pid: int) -> int:
         warming.listen(8)
     except OSError:  # a server of the same agent for another script is importing too; it tells
         pass
+    if os.fork():  # detach once listening: the process started exits (start_server), the server is nobody's
+        os._exit(0)  # child (an agent's children are its workers, to torchrun and to tools)
     failure = _preload()
     warming.close()  # wakes the agent's rendezvous if it waits (wait_until_warm)
     selector = selectors.DefaultSelector()

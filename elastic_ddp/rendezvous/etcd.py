@@ -426,7 +426,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._listener: reach.ProbeListener | None = None
         self._reach_timeout: float | None = None
         self._fork_server_started = False
-        self._fork_server: subprocess.Popen | None = None  # held so it is not reported as never waited for
         self._local_addr_given = True
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -475,7 +474,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._fork_server_started = True
             script = prefork.torchrun_worker_script()
             if script is not None:  # started here, its imports overlap this agent's; else by the first launcher
-                self._fork_server = prefork.start_server(os.getpid(), script)
+                try:
+                    prefork.start_server(os.getpid(), script).wait(timeout=prefork.START_TIMEOUT_S)  # until it listens
+                except subprocess.TimeoutExpired:
+                    pass  # not listening yet: the wait below may miss it, and the first worker waits instead
         warm_within = min(self._settings.timeout.join.total_seconds(), prefork.START_TIMEOUT_S)  # a launcher's patience
         warmed = prefork.wait_until_warm(os.getpid(), warm_within)
         if warmed is not None:

@@ -154,19 +154,30 @@ def _ready_worker(path: Path) -> int:
 
 
 @pytest.fixture
-def importing_server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
-    """A fork server for this process as its agent, whose imports block until ``release`` exists;
-    it writes ``imported`` when they are done."""
+def importing_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
+    """A fork server for this process as its agent (its pid), whose imports block until ``release``
+    exists; it writes ``imported`` when they are done."""
     release, imported = tmp_path / "release", tmp_path / "imported"
     env = {**os.environ, "ELASTIC_DDP_PREFORK_PRELOAD": "tests.fixtures.prefork_gate",
            "PREFORK_GATE_RELEASE": str(release), "PREFORK_GATE_IMPORTED": str(imported)}
-    server = prefork.start_server(os.getpid(), WORKER, env)
+    prefork.start_server(os.getpid(), WORKER, env)
     try:
         wait_for(_importing, START_S, "the server to listen while it imports")
-        yield server, release, imported
+        servers = fork_servers(os.getpid())
+        assert len(servers) == 1 and _parent(servers[0]) != os.getpid(), "the server did not detach from its starter"
+        yield servers[0], release, imported
     finally:
-        server.kill()
-        server.wait()
+        _kill_servers_of(os.getpid())
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _kill_servers_of(agent: int) -> None:
+    for server in fork_servers(agent):
+        os.kill(server, signal.SIGKILL)
+    wait_for(lambda: not fork_servers(agent), WAIT_S, "the fork servers to die")
 
 
 def _importing() -> bool:
@@ -197,6 +208,6 @@ def test_the_wait_ends_when_an_importing_server_dies(importing_server) -> None:
     server, _, imported = importing_server
     waited: queue.Queue[float | None] = queue.Queue()
     threading.Thread(target=lambda: waited.put(prefork.wait_until_warm(os.getpid(), timeout=START_S)), daemon=True).start()
-    server.kill()
+    os.kill(server, signal.SIGKILL)
     assert waited.get(timeout=WAIT_S) is not None
     assert not imported.exists()

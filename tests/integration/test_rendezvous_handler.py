@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import torch.distributed.run
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousParameters,
@@ -24,6 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from chaos.cluster import fork_servers, wait_for
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import handler_factory, reach
 from tests.fixtures.etcd_proc import EtcdServer
@@ -178,14 +180,13 @@ def test_a_first_contact_within_connect_timeout_is_enough(etcd_server: EtcdServe
     handler.shutdown()
 
 
-def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool, nodes: int = 2,
-             launcher: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=%d" % nodes, "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
+        "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
         "--rdzv-backend=etcd-v3", "--rdzv-endpoint=%s" % endpoint, "--rdzv-id=%s" % run_id,
         "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30",
-        "--local-addr=127.0.0.1", *launcher, str(WORKER), str(out_dir),
+        "--local-addr=127.0.0.1", str(WORKER), str(out_dir),
     ]  # fmt: skip
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if share_store else "1"
@@ -231,20 +232,26 @@ def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
     assert sorted(report["group_rank"] for report in reports) == [0, 1]
 
 
-def test_a_torchrun_agent_starts_its_fork_server_before_it_joins(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    """With ``-m elastic_ddp.prefork``, the etcd-v3 handler starts the node's fork server itself (its
-    imports overlap the agent's own start) rather than leaving it to the first worker's launcher after
-    the rendezvous: the server's parent is the agent, and the worker was forked by it."""
-    agent = torchrun(etcd_server.endpoint, uuid.uuid4().hex[:8], tmp_path, tmp_path / "agent.log", share_store=False,
-                     nodes=1, launcher=("-m", "elastic_ddp.prefork"))
+def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
+        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler in an agent whose command line runs the workers through ``-m elastic_ddp.prefork``
+    (torchrun's, here this process's) starts the node's fork server before it joins, rather than
+    leaving it to the first worker's launcher after the rendezvous, and joins once the server is warm."""
+    handler = get_rendezvous_handler(params(etcd_server.endpoint, uuid.uuid4().hex[:8], 1))
+    monkeypatch.setattr(sys, "argv", [torch.distributed.run.__file__, "--nnodes=1", "-m", "elastic_ddp.prefork",
+                                      str(WORKER), "out"])
     try:
-        agent.wait(timeout=120)
+        assert handler.next_rendezvous().world_size == 1
+        assert len(fork_servers(os.getpid())) == 1
+        assert prefork.wait_until_warm(os.getpid(), timeout=1) is None, "joined while the server still imported"
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.connect(prefork.server_address(os.getpid(), str(WORKER)))  # the address the launchers use
+        server.close()
     finally:
-        stop_process_group(agent)
-    assert agent.returncode == 0, (tmp_path / "agent.log").read_text(errors="replace")[-3000:]
-    report = json.loads((tmp_path / "rank-0.json").read_text())
-    assert report["parent"] != agent.pid and report["grandparent"] == agent.pid
-    assert report["agent"] == agent.pid
+        handler.shutdown()
+        for pid in fork_servers(os.getpid()):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not fork_servers(os.getpid()), 30, "the fork server to die")
 
 
 def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
