@@ -97,9 +97,9 @@ class Node:
         """The script of a job run through :mod:`elastic_ddp.prefork`: its fork server starts with the agent."""
         self.prestart_fork_server = prestart_fork_server
         """Start the fork server here, with the agent. False for a node in a network namespace: the server's
-        abstract unix socket belongs to the namespace it binds in, so the node's first launcher starts it there."""
+        abstract unix socket belongs to the namespace it binds in, so the node's etcd-v3 agent (or, under c10d,
+        its first launcher) starts it there."""
         self.process: subprocess.Popen | None = None
-        self.fork_server: subprocess.Popen | None = None
         self.started_at = 0.0
 
     def start(self) -> Node:
@@ -115,7 +115,7 @@ class Node:
         if self.prefork_script and self.prestart_fork_server:  # importing torch overlaps the rendezvous
             from elastic_ddp.prefork import start_server
 
-            self.fork_server = start_server(self.process.pid, self.prefork_script, self.env)
+            start_server(self.process.pid, self.prefork_script, self.env)
         logger.info("node %s started: agent pid %d", self.name, self.process.pid)
         return self
 
@@ -182,23 +182,7 @@ class Node:
         if self.process.poll() is None:
             self.process.wait(timeout=30)
         if self.prefork_script:
-            self._stop_fork_servers()
-
-    def _stop_fork_servers(self) -> None:
-        """SIGKILL the agent's :mod:`elastic_ddp.prefork` server, if any, and wait until it is gone.
-        (It exits by itself once the agent has, but not while it is still importing torch.)"""
-        servers = fork_servers(self.pid)
-        for pid in servers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 30
-        while servers and time.monotonic() < deadline:
-            servers = [pid for pid in servers if process_alive(pid)]
-            time.sleep(0.02)
-        if self.fork_server is not None:
-            self.fork_server.wait(timeout=30)
+            kill_fork_servers(self.pid)  # each exits by itself once the agent has, but not while still importing
 
 
 def host_name(node_name: str) -> str:
@@ -226,6 +210,28 @@ def fork_servers(agent_pid: int) -> list[int]:
     return servers
 
 
+def kill_fork_servers(agent_pid: int, timeout: float = 30.0) -> list[int]:
+    """SIGKILL the :mod:`elastic_ddp.prefork` servers of ``agent_pid``, if any, and wait until they are gone;
+    those still alive after ``timeout``."""
+    servers = fork_servers(agent_pid)
+    for pid in servers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while servers and time.monotonic() < deadline:
+        servers = [pid for pid in servers if process_alive(pid)]
+        time.sleep(0.02)
+    return servers
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of ``pid``; None if the process is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     fields = _stat_fields(pid)
@@ -235,9 +241,8 @@ def process_alive(pid: int) -> bool:
 def _process_parents() -> dict[int, int]:
     parents: dict[int, int] = {}
     for pid in _pids():
-        fields = _stat_fields(pid)
-        if fields is not None:
-            parents[pid] = int(fields[1])
+        if (parent := parent_pid(pid)) is not None:
+            parents[pid] = parent
     return parents
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from chaos.cluster import fork_servers, process_alive, wait_for
+from chaos.cluster import fork_servers, kill_fork_servers, parent_pid, process_alive, wait_for
 from elastic_ddp import prefork
 
 pytestmark = pytest.mark.integration
@@ -78,12 +78,10 @@ def _agent() -> Iterator[Agent]:
     try:
         yield agent
     finally:
-        pid = agent.process.pid
         if agent.process.poll() is None:
             agent.process.kill()
             agent.process.wait()
-        for server in fork_servers(pid):
-            os.kill(server, signal.SIGKILL)
+        kill_fork_servers(agent.process.pid)
 
 
 def report(result: dict) -> dict:
@@ -164,20 +162,10 @@ def importing_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path]]:
     try:
         wait_for(_importing, START_S, "the server to listen while it imports")
         servers = fork_servers(os.getpid())
-        assert len(servers) == 1 and _parent(servers[0]) != os.getpid(), "the server did not detach from its starter"
+        assert len(servers) == 1 and parent_pid(servers[0]) != os.getpid(), "the server did not detach from its starter"
         yield servers[0], release, imported
     finally:
-        _kill_servers_of(os.getpid())
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _kill_servers_of(agent: int) -> None:
-    for server in fork_servers(agent):
-        os.kill(server, signal.SIGKILL)
-    wait_for(lambda: not fork_servers(agent), WAIT_S, "the fork servers to die")
+        assert not kill_fork_servers(os.getpid()), "the fork server did not die"
 
 
 def _importing() -> bool:

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from chaos.cluster import fork_servers, wait_for
+from chaos.cluster import fork_servers, kill_fork_servers
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import handler_factory, reach
 from tests.fixtures.etcd_proc import EtcdServer
@@ -249,9 +249,7 @@ def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
         server.close()
     finally:
         handler.shutdown()
-        for pid in fork_servers(os.getpid()):
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not fork_servers(os.getpid()), 30, "the fork server to die")
+        assert not kill_fork_servers(os.getpid()), "the fork server did not die"
 
 
 def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
