@@ -72,7 +72,7 @@ FIELDS: Mapping[Event, tuple[str, ...]] = {
     Event.RESTORE_FAILED: ("error",),
     Event.CHECKPOINT_SKIPPED: ("step", "path", "reason"),
     Event.COMMITTED: ("step", "path", "world_size", "files", "bytes"),
-    Event.REPLICA_SAVED: ("step", "path", "token", "interval"),
+    Event.REPLICA_SAVED: ("step", "path", "token", "interval", "reason"),
     Event.UNCOMMITTED: ("step", "path", "reason"),
     Event.SAVE_FAILED: ("step", "error"),
     Event.STOP_REQUESTED: ("reason",),

@@ -251,6 +251,16 @@ def is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
+def rng_digest() -> str:
+    """A digest of this process's RNG streams (torch's CPU and CUDA generators, Python's ``random``): it changes
+    when any of them draws."""
+    hasher = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    hasher.update(repr(random.getstate()).encode())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        hasher.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return hasher.hexdigest()
+
+
 def _set_rng(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch_cpu"])
     random.setstate(_as_tuple(rng["python"]))

@@ -48,9 +48,11 @@ from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
 from elastic_ddp.resilience.agreement import StopAgreement
 from elastic_ddp.resilience.consistency import check_consistency
+from elastic_ddp.resilience.exits import peer_loss
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
-from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, seed_rng_streams
+from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +179,9 @@ class Trainer:
         self._last_commit_time = time.monotonic()
         self._last_eval: tuple[int, dict[str, float]] | None = None
         """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
+        self._phase = StepPhase.BETWEEN
+        self._rng_at_start = ""
+        """This rank's RNG streams when the loop began (a rescue needs them unmoved)."""
 
     # -- setup -------------------------------------------------------------------
 
@@ -333,13 +338,23 @@ class Trainer:
         )
 
     def run(self) -> TrainResult:
-        """Train until max_steps / max_epochs, or until a stop request is agreed; commit a checkpoint."""
+        """Train until max_steps / max_epochs, or until a stop request is agreed; commit a checkpoint.
+        When a peer is lost, this rank's live state is kept for the restart where it can be (:meth:`_rescue`)."""
+        try:
+            return self._run()
+        except RuntimeError as exc:
+            if self.replicas is not None and peer_loss(exc) is not None:
+                self._rescue()
+            raise
+
+    def _run(self) -> TrainResult:
         counters = self.state.counters
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples or units)
         batches = self._make_loader()
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
+        self._rng_at_start = rng_digest()
         last_loss: float | None = None
         stop_reason: str | None = None
         try:
@@ -457,6 +472,7 @@ class Trainer:
 
     def _step(self, plan: StepPlan, batches: Iterator[Any], loss_sum: torch.Tensor) -> float:
         """One optimizer step over the plan's samples; returns the seconds spent waiting for data."""
+        self._phase = StepPhase.FORWARD
         micro_batches = self.sampler.local_micro_batches(plan)
         weight = self.sampler.loss_scale(plan)
         data_wait = 0.0
@@ -493,10 +509,39 @@ class Trainer:
             loss_sum[1] += numel
         if units is not None:  # the same on every rank: the loss function's kind does not depend on the share
             self._divide_gradients_by_global_weight(units)
+        self._phase = StepPhase.UPDATE
         self._optimizer_step()
         self.state.counters.step += 1
         self.sampler.commit(plan)
+        self._phase = StepPhase.BETWEEN
         return data_wait
+
+    def _rescue(self) -> None:
+        """A peer was lost: keep this rank's live state in node memory for the restart, when it is a complete
+        state of its step (:mod:`elastic_ddp.resilience.rescue`); never raises (the peer's loss is the error)."""
+        assert self.replicas is not None
+        step = self.state.counters.step
+        buffers = set(self.model.state_dict()) - {name for name, _ in self.model.named_parameters()}
+        reason = why_not_kept(LiveState(
+            phase=self._phase, forward_changes_state=bool(buffers or self.state.extra),
+            sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
+            rng_used=self._rng_at_start != rng_digest(),
+        ))
+        if reason is not None:
+            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.context.rank, step,
+                           reason)
+            return
+        self.watchdog.enter(Phase.EMERGENCY_SAVE)
+        started = time.perf_counter()
+        try:
+            path = self.replicas.rescue(self.state)
+        except (OSError, RuntimeError, ValueError) as exc:
+            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", self.context.rank,
+                           step, exc)
+            return
+        if path is not None:
+            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", self.context.rank, step,
+                        path, time.perf_counter() - started)
 
     def _divide_gradients_by_global_weight(self, units: torch.Tensor) -> None:
         """Gradients hold the global sum of ``mean * weight``; divide them by the global total weight."""

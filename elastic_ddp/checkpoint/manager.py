@@ -485,7 +485,7 @@ class CheckpointManager:
             raise CheckpointCorruptError(f"{info.path}: {info.problem}")
         name = manifest.replicated_file
         replicated = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
-        reuse_rank_state = manifest.world_size == self.world_size
+        reuse_rank_state = manifest.resumes_rank_state_at(self.world_size)
         rank_local = None
         if reuse_rank_state:
             name = manifest.rank_file(self.rank)

@@ -74,6 +74,9 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     hash: str = "sha256"
     """The digest of every file record (a key of HASHES); the records name it: ``{"size", "sha256"}``."""
+    rank_state: bool = True
+    """Whether every rank's own file is listed. False only for a rescue replica (elastic_ddp.checkpoint.replica):
+    the replicated state alone, resumed like a world-size change (RNG streams re-derived)."""
 
     def to_json(self) -> bytes:
         body = {item.name: getattr(self, item.name) for item in fields(self)}  # asdict would deep-copy meta
@@ -91,6 +94,10 @@ class Manifest:
 
     def rank_file(self, rank: int) -> str:
         return rank_file_name(rank, self.token)
+
+    def resumes_rank_state_at(self, world_size: int) -> bool:
+        """Whether a resume at ``world_size`` reloads every rank's own state (RNG streams, shards) from it."""
+        return self.rank_state and self.world_size == world_size
 
     @property
     def data_digest(self) -> str | None:
@@ -136,7 +143,11 @@ class Manifest:
         token = str(body["token"])
         if not _TOKEN.match(token):
             raise ValueError(f"token {token!r} is not a writer token")
-        missing = [name for name in (replicated_file_name(token), *(rank_file_name(r, token) for r in range(ints["world_size"])))
+        rank_state = body.get("rank_state", True)
+        if not isinstance(rank_state, bool):
+            raise TypeError("rank_state is not a boolean")
+        ranks = range(ints["world_size"]) if rank_state else range(0)
+        missing = [name for name in (replicated_file_name(token), *(rank_file_name(r, token) for r in ranks))
                    if name not in files]
         if missing:  # every rank writes its own file: a manifest without one cannot be resumed at its world size
             raise ValueError(f"{', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} not listed")
@@ -150,6 +161,7 @@ class Manifest:
             torch_version=str(body["torch_version"]),
             created_at=float(body["created_at"]),
             hash=hash_name,
+            rank_state=rank_state,
         )
 
 

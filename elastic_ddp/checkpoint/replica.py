@@ -28,6 +28,15 @@ succeeded does any rank load them, so a damaged or missing replica means the sto
 never a partial load. A world-size change loads only the replicated state and the data
 position, exactly like a storage restore (RNG streams re-derived).
 
+**Rescue.** When a peer dies mid-run, the survivors still hold the newest state in memory: under
+DDP every rank's model and optimizer are the same. A survivor whose live state is a complete
+state of its step (the trainer decides: no optimizer step half done, nothing a forward changes)
+copies its replicated state into the node's ``rescue`` directory before it exits, one survivor
+per node (a lock file), committed by a manifest with ``rank_state`` false: the lost ranks' own
+state (RNG streams) is gone, so a resume from a rescue re-derives every rank's streams, as at a
+world-size change. It costs training nothing, and the restart redoes at most the step that was
+interrupted. Two nodes' copies count as one replica only if their bytes are the same.
+
 Replicas are fenced by the launch's writer token, shared by all ranks: a node that missed a
 restore cannot mix its files into another save's replica. Any replica chosen is a complete
 state of one step of this run, with the data position it was saved with, so resuming from it
@@ -36,6 +45,7 @@ keeps the exactly-once data contract of a storage resume.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import math
@@ -45,8 +55,9 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +92,10 @@ _HEAD = struct.Struct("<qq")
 and the interval it proposes."""
 MAX_INTERVAL = 10_000
 _SMOOTHING = 0.2
+RESCUE_DIR = "rescue"
+"""A node's directory for the state a survivor keeps after a peer's loss (:meth:`Replicas.rescue`)."""
 _NODE_DIR = re.compile(r"^node-\d+$")
-_SLOT_DIR = re.compile(r"^slot-\d$")
+_HELD_DIR = re.compile(rf"^(slot-\d|{RESCUE_DIR})$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -263,6 +276,9 @@ class Replicas:
             if self.writer else None
         self._inflight: Future[None] | None = None
         self._warned = False
+        self._superseded: str | None = None
+        """The replica this launch resumed from when it is not in one of this writer's slots (another node
+        number's, or a rescue): removed once this node commits a newer one."""
         self.stats = ReplicaStats()
 
     # -- saving ------------------------------------------------------------------
@@ -386,14 +402,13 @@ class Replicas:
             with open(os.path.join(slot.path, name), "wb") as handle:
                 handle.write(data)
             files[name] = FileRecord(size=len(data), digest=_digest(data))
-        manifest = Manifest(step=step, world_size=len(ranks), run_id=self.run_id, generation=self.generation,
-                            files=files, token=self.token, meta=meta, hash=HASH)
-        temp = os.path.join(slot.path, f"{MANIFEST_NAME}.tmp")
-        with open(temp, "wb") as handle:
-            handle.write(manifest.to_json())
-        os.replace(temp, os.path.join(slot.path, MANIFEST_NAME))  # last: it commits the replica
+        _commit(slot.path, Manifest(step=step, world_size=len(ranks), run_id=self.run_id, generation=self.generation,
+                                    files=files, token=self.token, meta=meta, hash=HASH))
         slot.step = step
-        self.events.emit(Event.REPLICA_SAVED, step=step, path=slot.path, token=self.token, interval=interval)
+        self.events.emit(Event.REPLICA_SAVED, step=step, path=slot.path, token=self.token, interval=interval, reason="due")
+        if self._superseded is not None:  # the replica this launch resumed from is older now: free its memory
+            shutil.rmtree(self._superseded, ignore_errors=True)
+            self._superseded = None
         self._last_write_cpu_s = time.thread_time() - cpu_started
         self.stats.written += 1
         self.stats.write_s += time.perf_counter() - started
@@ -410,6 +425,39 @@ class Replicas:
             self._warned = True
             logger.warning("rank %d: writing a replica under %s failed (%s); training goes on without it, and a "
                            "restart falls back to another node's replica or to storage", self.rank, self.own, error)
+
+    # -- rescue ------------------------------------------------------------------
+
+    def rescue(self, state: CheckpointState) -> str | None:
+        """Keep ``state``, the live state of a rank that survived a peer's loss, in the node's rescue directory,
+        so that the restart resumes from its step instead of the last replica or commit.
+
+        The caller vouches that the state is a complete state of its step (:mod:`elastic_ddp.resilience.rescue`
+        decides). Only the replicated state is kept: the lost ranks' own state (RNG streams) is gone, so a
+        resume from a rescue re-derives every rank's streams, as after a world-size change. One survivor per
+        node writes it: another that finds the node's lock taken, or the step already held, writes nothing.
+        Returns the directory written, else None; raises what writing to node memory raises."""
+        step = int(state.meta()["step"])
+        self.wait()  # a replica of this very step may be in flight: it holds more (every rank's streams)
+        os.makedirs(self.own, exist_ok=True)
+        with _node_lock(os.path.join(self.own, f"{RESCUE_DIR}.lock")) as locked:
+            if not locked or any(held.manifest.token == self.token and held.manifest.step >= step
+                                 for held in self.held()):
+                return None
+            slot = _Slot(os.path.join(self.own, RESCUE_DIR))
+            flat = flatten(state.replicated_state_dict())
+            try:
+                slot.uncommit()
+                slot.prepare(flat, self.token)
+                slot.copy(flat)
+                files = {replicated_file_name(self.token): slot.finish(flat.tree)}
+            finally:
+                slot.release()
+            _commit(slot.path, Manifest(step=step, world_size=self.world_size, run_id=self.run_id,
+                                        generation=self.generation, files=files, token=self.token, meta=state.meta(),
+                                        hash=HASH, rank_state=False))
+        self.events.emit(Event.REPLICA_SAVED, step=step, path=slot.path, token=self.token, interval=0, reason="rescue")
+        return slot.path
 
     def wait(self) -> None:
         """Return once the write in flight is done (tests, and the end of a run)."""
@@ -447,7 +495,7 @@ class Replicas:
         for node in nodes:
             base = os.path.join(self.root, node)
             for name in _list(base):
-                if not _SLOT_DIR.match(name):
+                if not _HELD_DIR.match(name):
                     continue
                 path = os.path.join(base, name)
                 manifest = _read_manifest(path)
@@ -459,7 +507,7 @@ class Replicas:
         """Every rank: load the newest replica at least as new as storage's newest committed step (which
         ``newest_committed`` reads, on rank 0 and only when some node holds a replica; None: storage holds
         none); None when no node holds one or any rank could not verify it."""
-        mine = {(held.manifest.step, held.manifest.token): held for held in self.held()}
+        mine = {_identity(held.manifest): held for held in self.held()}
         reports = self._gather_to_main((sorted(mine), self.generation))
         choice: list[Any] = [None]
         if self.rank == 0 and any(held for held, _ in reports):
@@ -475,12 +523,13 @@ class Replicas:
         self._broadcast_from_main(choice)
         if choice[0] is None:
             return None
-        step, token, holders = choice[0]
+        identity, holders = choice[0]
+        identity, step = tuple(identity), identity[0]
         source = holders[0]
-        manifest_json = self._send_bytes(mine[(step, token)].manifest.to_json() if self.rank == source else b"", source)
+        manifest_json = self._send_bytes(mine[identity].manifest.to_json() if self.rank == source else b"", source)
         manifest = Manifest.from_json(manifest_json, f"replica of step {step}")
-        local = mine.get((step, token))
-        reuse_rank_state = manifest.world_size == self.world_size
+        local = mine.get(identity)
+        reuse_rank_state = manifest.resumes_rank_state_at(self.world_size)
         problem, decoded = self._fetch(manifest, local, holders, reuse_rank_state)
         problems = self._gather_to_main(problem)
         verdict: list[Any] = [None]
@@ -496,7 +545,7 @@ class Replicas:
         replicated, rank_local = decoded
         state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
         if self.writer:
-            self._drop_all_but(step, token)
+            self._drop_all_but(identity)
         return Restored(step=step, path=where, world_size=manifest.world_size, rank_state_reused=reuse_rank_state,
                         source="replica")
 
@@ -535,11 +584,13 @@ class Replicas:
             return f"rank {self.rank}: {exc}", (None, None)
         return None, (replicated, rank_local)
 
-    def _drop_all_but(self, step: int, token: str) -> None:
+    def _drop_all_but(self, identity: tuple[Any, ...]) -> None:
         """After a resume: remove this node's other replicas (older, or of another launch)."""
         for held in self.held():
-            if (held.manifest.step, held.manifest.token) != (step, token):
+            if _identity(held.manifest) != identity:
                 shutil.rmtree(held.path, ignore_errors=True)
+            elif os.path.dirname(held.path) != self.own or not os.path.basename(held.path).startswith("slot-"):
+                self._superseded = held.path
         self._slots = None  # which slot holds what is read again at the next save
 
     # -- collectives -------------------------------------------------------------
@@ -563,18 +614,24 @@ class Replicas:
         return buffer.numpy().tobytes()
 
 
-def _choose(reports: list[list[tuple[int, str]]], newest_committed: int | None) -> tuple[int, str, list[int]] | None:
-    """Rank 0: the newest (step, token) some node holds, not older than storage's newest commit, with the
-    ranks whose node holds it (lowest first)."""
-    holders: dict[tuple[int, str], list[int]] = {}
+def _identity(manifest: Manifest) -> tuple[int, str, str]:
+    """What makes two nodes' replicas the same one: step, writer token and the replicated file's digest (two
+    survivors' rescues of one step are alike only if their bytes are)."""
+    return manifest.step, manifest.token, manifest.files[manifest.replicated_file].digest
+
+
+def _choose(reports: list[list[tuple[Any, ...]]], newest_committed: int | None) -> tuple[tuple[Any, ...], list[int]] | None:
+    """Rank 0: the newest replica some node holds (by :func:`_identity`), not older than storage's newest commit,
+    with the ranks whose node holds it (lowest first)."""
+    holders: dict[tuple[Any, ...], list[int]] = {}
     for rank, held in enumerate(reports):
         for key in held:
-            holders.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
+            holders.setdefault(tuple(key), []).append(rank)
     candidates = [key for key in holders if newest_committed is None or key[0] >= newest_committed]
     if not candidates:
         return None
-    step, token = max(candidates)
-    return step, token, sorted(holders[(step, token)])
+    chosen = max(candidates)
+    return chosen, sorted(holders[chosen])
 
 
 def _global(rank: int, group: dist.ProcessGroup | None) -> int:
@@ -583,6 +640,30 @@ def _global(rank: int, group: dist.ProcessGroup | None) -> int:
 
 def _digest(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def _commit(directory: str, manifest: Manifest) -> None:
+    """Write a replica's manifest, last: it commits the replica."""
+    temp = os.path.join(directory, f"{MANIFEST_NAME}.tmp")
+    with open(temp, "wb") as handle:
+        handle.write(manifest.to_json())
+    os.replace(temp, os.path.join(directory, MANIFEST_NAME))
+
+
+@contextmanager
+def _node_lock(path: str) -> Iterator[bool]:
+    """Hold the lock file ``path`` while the block runs, if no other process on the node holds it (yields whether
+    it was taken; the kernel releases it when a holder dies)."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(descriptor)
 
 
 def _room(size: int) -> int:

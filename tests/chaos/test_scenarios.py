@@ -117,8 +117,7 @@ def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins
 REPLICA_JOB = {
     "script": "examples/train.py",
     "args": ["--optim-warmup-steps", "5", "--global-batch-size", "256", "--model-hidden-dim", "512",
-             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60", "--checkpoint-replica-every", "1",
-             "--checkpoint-replica-budget", "0"],
+             "--resilience-watchdog-timeout-s", "10", "--dist-collective-timeout-s", "60"],
     "max_steps": 300,
     "checkpoint_every": 100,
 }
@@ -127,9 +126,10 @@ TWO_NODES = {"nodes": "2", "start_nodes": 2, "nproc_per_node": 1, "rdzv_backend"
 
 def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a_peers_replica(
         tmp_path: Path, cache_dir: Path) -> None:
-    """Two nodes, checkpoints every 100 steps; node1 is killed (its memory with it) at step 50 and a new
-    node takes its place. Both ranks resume from node0's replica of the newest step: rank 0 from its own
-    node's memory, the new node's rank from node0 over the process group."""
+    """Two nodes, checkpoints every 100 steps, replicas at their default budget; node1 is killed (its memory
+    with it) at step 50 and a new node takes its place. node0's worker, whose collective failed, keeps its
+    live state (a rescue), and both ranks resume from it: rank 0 from its own node's memory, the new node's
+    rank from node0 over the process group. At most the interrupted step is redone."""
     scenario = parse_scenario({
         "name": "replica-peer", "description": "a node killed between checkpoints, replaced at once", "timeout_s": 300,
         "job": REPLICA_JOB, "cluster": TWO_NODES,
@@ -142,6 +142,8 @@ def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a
     assert set(resumes) == {0, 1} and {event.source for event in resumes.values()} == {"replica"}, text
     assert resumes[1].node == "node2" and resumes[1].path.startswith("replica of step"), text
     assert all(event.step is not None and event.step < 100 for event in resumes.values()), "not a checkpoint"
+    rescued = [event for event in facts.events if event.kind == "replica_saved" and event.reason == "rescue"]
+    assert [(event.node, event.step) for event in rescued] == [("node0", resumes[0].step)], text
     last_before = max(step.step for step in facts.steps if step.time < killed.fired_at)
     assert last_before - resumes[0].step <= 1, f"steps redone: {last_before - resumes[0].step}\n{text}"
 

@@ -249,6 +249,26 @@ def test_manifest_validation_rejects_path_traversal() -> None:
         Manifest.from_json(json.dumps(body).encode(), "test")
 
 
+def test_a_manifest_lists_every_ranks_file_unless_it_says_it_holds_no_rank_state() -> None:
+    token = "abcdef012345"
+    body = {
+        "format_version": 2, "step": 1, "world_size": 2, "generation": 0, "run_id": "r", "meta": {"step": 1},
+        "token": token, "torch_version": "x", "created_at": 0.0,
+        "files": {f"replicated-{token}.eddp": {"size": 1, "sha256": "0" * 64}},
+    }
+    with pytest.raises(CheckpointCorruptError, match=f"rank-00000-{token}.eddp, rank-00001-{token}.eddp not listed"):
+        Manifest.from_json(json.dumps(body).encode(), "test")
+    partial = Manifest.from_json(json.dumps({**body, "rank_state": False}).encode(), "test")
+    assert not partial.resumes_rank_state_at(2) and not partial.resumes_rank_state_at(1)
+    assert Manifest.from_json(partial.to_json(), "again") == partial
+    with pytest.raises(CheckpointCorruptError, match="rank_state is not a boolean"):
+        Manifest.from_json(json.dumps({**body, "rank_state": "no"}).encode(), "test")
+    whole = {**body, "files": {**body["files"], **{f"rank-0000{r}-{token}.eddp": {"size": 1, "sha256": "0" * 64}
+                                                   for r in range(2)}}}
+    complete = Manifest.from_json(json.dumps(whole).encode(), "test")
+    assert complete.resumes_rank_state_at(2) and not complete.resumes_rank_state_at(3)
+
+
 def test_sharded_optimizer_resume_continues_bitwise(tmp_path: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer

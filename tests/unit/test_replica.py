@@ -4,6 +4,7 @@ skipped (never partly loaded) when damaged, kept two deep, removed when the run 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,9 @@ import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME
-from elastic_ddp.checkpoint.replica import Replicas
+from elastic_ddp.checkpoint.replica import Replicas, _node_lock
 from elastic_ddp.events import EventLog, read_events
-from elastic_ddp.state import TrainState, model_digest
+from elastic_ddp.state import TrainState, derive_rng_seed, model_digest
 from tests.unit.test_checkpoint_local import advance, make_state
 
 
@@ -260,3 +261,98 @@ def test_a_node_that_cannot_write_replicas_warns_once_and_trains_on(tmp_path: Pa
     assert node.stats.saves == 3 and node.stats.written == 0
     assert len([r for r in caplog.records if "writing a replica" in r.getMessage()]) == 1
     assert node.held() == []
+
+
+# -- rescue: the live state a survivor keeps after a peer's loss ----------------------------------------------------
+
+
+def rescuer(root: Path, manager: CheckpointManager, rank: int = 0, world_size: int = 1) -> Replicas:
+    return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=rank, world_size=world_size,
+                    local_rank=rank, node_rank=0, token=manager.token, every=1, generation=1)
+
+
+def test_a_rescue_newer_than_the_last_replica_is_resumed_with_rng_streams_re_derived(tmp_path: Path) -> None:
+    """A survivor kept step 5 after its peer's loss; the periodic replica is of step 3. The restart resumes
+    from step 5: model, optimizer and data position of step 5, RNG streams derived (the lost ranks' are gone)."""
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    advance(state, 2)
+    storage.save(state)
+    events = EventLog(str(tmp_path / "logs"), run_id="unit", rank=0)
+    node = Replicas(str(tmp_path / "shm"), run_id="unit", checkpoint_uri=storage.uri, rank=0, world_size=1,
+                    local_rank=0, node_rank=0, token=storage.token, every=1, generation=1, events=events)
+    replicate(state, node)
+    advance(state, 2)
+    path = node.rescue(state)
+    assert path is not None and Path(path).name == "rescue"
+    manifest = json.loads((Path(path) / MANIFEST_NAME).read_bytes())
+    assert (manifest["step"], manifest["rank_state"], sorted(manifest["files"])) == (
+        5, False, [f"replicated-{storage.token}.eddp"])
+    expected = model_digest(state.model.state_dict()), state.optimizer.state_dict()["state"][0]["exp_avg"].clone(), \
+        state.sampler.state_dict()
+    fresh = make_state(seed=1)
+    restored = storage.restore(fresh, replicas=replicas(tmp_path / "shm", storage))
+    assert restored is not None and (restored.step, restored.source, restored.rank_state_reused) == (5, "replica", False)
+    assert restored.path == path
+    assert model_digest(fresh.model.state_dict()) == expected[0]
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], expected[1])
+    assert fresh.sampler.state_dict() == expected[2]
+    drawn = torch.randn(3)
+    torch.manual_seed(derive_rng_seed(0, 5, 0))
+    assert torch.equal(drawn, torch.randn(3))
+    saved = [(e["step"], e["reason"]) for e in read_events(tmp_path / "logs")[0] if e["event"] == "replica_saved"]
+    assert saved == [(3, "due"), (5, "rescue")]
+
+
+def test_one_survivor_per_node_keeps_the_state_and_none_when_the_step_is_already_held(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=2, run_id="unit")
+    first, second = rescuer(tmp_path / "shm", storage, 0, 2), rescuer(tmp_path / "shm", storage, 1, 2)
+    advance(state, 4)
+    os.makedirs(first.own)
+    with _node_lock(os.path.join(first.own, "rescue.lock")) as locked:  # another survivor is writing
+        assert locked and first.rescue(state) is None
+    assert first.held() == []
+    assert first.rescue(state) is not None
+    assert second.rescue(state) is None  # the node holds step 4 already
+    periodic = replicas(tmp_path / "shm2", storage)
+    periodic.save(state)
+    periodic.wait()
+    assert periodic.rescue(state) is None  # its replica of step 4 holds every rank's streams too
+    assert [held.manifest.step for held in second.held()] == [4]
+
+
+def test_after_resuming_from_a_rescue_it_is_removed_once_a_newer_replica_is_committed(tmp_path: Path) -> None:
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    replicate(state, replicas(tmp_path / "shm", storage), 2)
+    advance(state, 1)
+    rescue = rescuer(tmp_path / "shm", storage).rescue(state)
+    restarted = replicas(tmp_path / "shm", storage)
+    restored = storage.restore(state, replicas=restarted)
+    assert restored is not None and restored.path == rescue
+    assert [held.path for held in restarted.held()] == [rescue]  # the older slots are gone
+    replicate(state, restarted)
+    assert [(held.manifest.step, Path(held.path).name) for held in restarted.held()] == [(4, "slot-0")]
+
+
+def test_two_nodes_rescues_of_one_step_are_one_replica_only_if_their_bytes_are(tmp_path: Path) -> None:
+    from elastic_ddp.checkpoint.replica import _choose, _identity
+
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    advance(state, 2)
+    same = [_identity(held.manifest) for root in ("a", "b") for held in _rescued(tmp_path / root, storage, state)]
+    assert same[0] == same[1]
+    with torch.no_grad():
+        state.model[0].bias[0] += 1
+    other = _identity(_rescued(tmp_path / "c", storage, state)[0].manifest)
+    assert other[:2] == same[0][:2] and other != same[0]
+    chosen = _choose([[same[0]], [other], [same[1]]], None)
+    assert chosen is not None and (chosen[1] == [0, 2] if chosen[0] == same[0] else chosen[1] == [1])
+
+
+def _rescued(root: Path, storage: CheckpointManager, state: TrainState) -> list[Any]:
+    node = rescuer(root, storage)
+    assert node.rescue(state) is not None
+    return node.held()

@@ -1,0 +1,57 @@
+"""Whether a survivor's live state may be kept for the restart after a peer's loss (docs/design.md, "Replicas").
+
+When a peer dies, the survivors' collective fails and they exit so that torchrun re-forms the
+group. Under DDP their model and optimizer are the whole job's, at the last step every rank
+finished, so keeping them in node memory (:meth:`elastic_ddp.checkpoint.replica.Replicas.rescue`)
+makes the restart redo at most the interrupted step. That holds only when the live state *is* a
+complete state of one step; :func:`why_not_kept` says when it is not.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class StepPhase(enum.Enum):
+    """Where the training thread is in its step when a collective fails."""
+
+    BETWEEN = "between"
+    """At a step boundary: the state is the step's, whole."""
+    FORWARD = "forward"
+    """Forward and backward of the next step: parameters and optimizer state are untouched until its optimizer
+    step, but a forward may change buffers (batch-norm statistics) and a loss the script's own objects."""
+    UPDATE = "update"
+    """From the optimizer step until the step is recorded: part of the state is the next step's."""
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What decides whether a survivor's state can be kept (the trainer fills it in)."""
+
+    phase: StepPhase
+    forward_changes_state: bool
+    """The model has persistent buffers, or the script hands over objects of its own (either may change in a
+    forward or a loss)."""
+    sharded_optimizer: bool
+    """Each rank holds only its shard of the optimizer state: the lost ranks' shards are gone."""
+    rank_objects: bool
+    """The script's per-rank objects: the lost ranks' are gone, and a resume re-derives rather than reloads them."""
+    rng_used: bool
+    """This rank's RNG streams moved since the launch began (dropout, random augmentation): a resume that
+    re-derives them would not repeat the run."""
+
+
+def why_not_kept(live: LiveState) -> str | None:
+    """Why the live state is not a complete state of one step that every rank can resume from; None: it is."""
+    if live.phase is StepPhase.UPDATE:
+        return "a peer was lost during the optimizer step"
+    if live.phase is StepPhase.FORWARD and live.forward_changes_state:
+        return "a peer was lost in a forward pass, which may have changed buffers or the script's objects"
+    if live.sharded_optimizer:
+        return "the optimizer state is sharded over the ranks"
+    if live.rank_objects:
+        return "the script keeps per-rank state"
+    if live.rng_used:
+        return "the run draws random numbers, whose streams a resume would re-derive"
+    return None

@@ -1,0 +1,38 @@
+"""Whether a survivor's live state is a complete state of one step (the rescue decision, no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
+
+PLAIN = LiveState(phase=StepPhase.FORWARD, forward_changes_state=False, sharded_optimizer=False, rank_objects=False,
+                  rng_used=False)
+
+
+def test_a_plain_ddp_state_is_kept_at_a_step_boundary_and_before_the_optimizer_step() -> None:
+    assert why_not_kept(PLAIN) is None
+    assert why_not_kept(dataclasses.replace(PLAIN, phase=StepPhase.BETWEEN)) is None
+
+
+def test_a_state_caught_in_its_optimizer_step_is_not_kept() -> None:
+    assert why_not_kept(dataclasses.replace(PLAIN, phase=StepPhase.UPDATE)) == "a peer was lost during the optimizer step"
+
+
+def test_buffers_or_script_objects_keep_a_state_only_at_a_step_boundary() -> None:
+    changes = dataclasses.replace(PLAIN, forward_changes_state=True)
+    assert "forward pass" in (why_not_kept(changes) or "")
+    assert why_not_kept(dataclasses.replace(changes, phase=StepPhase.BETWEEN)) is None
+
+
+@pytest.mark.parametrize(("field", "reason"), [
+    ("sharded_optimizer", "the optimizer state is sharded over the ranks"),
+    ("rank_objects", "the script keeps per-rank state"),
+    ("rng_used", "the run draws random numbers, whose streams a resume would re-derive"),
+])
+def test_state_the_lost_ranks_held_alone_is_never_kept(field: str, reason: str) -> None:
+    for phase in StepPhase:
+        if phase is not StepPhase.UPDATE:
+            assert why_not_kept(dataclasses.replace(PLAIN, phase=phase, **{field: True})) == reason
