@@ -526,6 +526,7 @@ class Trainer:
             phase=self._phase, forward_changes_state=bool(buffers or self.state.extra),
             sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
             rng_used=self._rng_at_start != rng_digest(),
+            device_busy=self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query(),
         ))
         if reason is not None:
             logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.context.rank, step,

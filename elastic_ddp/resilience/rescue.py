@@ -40,6 +40,9 @@ class LiveState:
     rng_used: bool
     """This rank's RNG streams moved since the launch began (dropout, random augmentation): a resume that
     re-derives them would not repeat the run."""
+    device_busy: bool = False
+    """The accelerator still has queued work: a collective there may be waiting for the lost peer, and copying
+    the state off the device would wait behind it."""
 
 
 def why_not_kept(live: LiveState) -> str | None:
@@ -54,4 +57,6 @@ def why_not_kept(live: LiveState) -> str | None:
         return "the script keeps per-rank state"
     if live.rng_used:
         return "the run draws random numbers, whose streams a resume would re-derive"
+    if live.device_busy:
+        return "the device still has work queued, which may wait for the lost peer"
     return None

@@ -31,8 +31,9 @@ def test_buffers_or_script_objects_keep_a_state_only_at_a_step_boundary() -> Non
     ("sharded_optimizer", "the optimizer state is sharded over the ranks"),
     ("rank_objects", "the script keeps per-rank state"),
     ("rng_used", "the run draws random numbers, whose streams a resume would re-derive"),
+    ("device_busy", "the device still has work queued, which may wait for the lost peer"),
 ])
-def test_state_the_lost_ranks_held_alone_is_never_kept(field: str, reason: str) -> None:
+def test_state_that_cannot_be_kept_whole_is_never_kept(field: str, reason: str) -> None:
     for phase in StepPhase:
         if phase is not StepPhase.UPDATE:
             assert why_not_kept(dataclasses.replace(PLAIN, phase=phase, **{field: True})) == reason
