@@ -169,7 +169,8 @@ class CheckpointConfig:
     """Keep a replica of the state in each node's memory every N steps (at most; see
     --checkpoint-replica-budget). Every node holds the whole state; a restart resumes from the newest
     replica that survived when it is newer than the newest commit, so a killed worker or node redoes fewer
-    than N steps. 0: off. Needs --checkpoint-dir (the fallback)."""
+    than N steps; the survivors of a peer's loss also keep their live state there when they can (a rescue:
+    at most the interrupted step is redone). 0: off, rescues too. Needs --checkpoint-dir (the fallback)."""
     replica_budget: float = 0.03
     """The share of training time replicas may take. Each costs the node's first worker a copy of the state
     into node memory and a digest; when that is more than this share of the steps between two replicas, all

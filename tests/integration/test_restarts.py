@@ -34,11 +34,11 @@ RESTART_TIMEOUT_S = 120
 
 
 def run_with_kills(etcd_server: EtcdServer, workdir: Path, kills: int, steps: int, seed: int,
-                   prefork: bool = False) -> tuple[list[Restart], str]:
+                   prefork: bool = False, extra: tuple[str, ...] = ()) -> tuple[list[Restart], str]:
     """Two one-worker nodes over etcd-v3; ``kills`` times: kill a random worker, wait for the
     restart to complete a step, then for it to commit a checkpoint newer than the one it resumed
     from (so every attempt resumes from further on). Returns the restarts and the nodes' logs."""
-    job = make_job(workdir, job_args(workdir, steps, checkpoint_every=10), backend="etcd-v3",
+    job = make_job(workdir, job_args(workdir, steps, *extra, checkpoint_every=10), backend="etcd-v3",
                    endpoint=etcd_server.endpoint, nnodes=str(NODES), nproc=1, max_restarts=kills + 5,
                    unset=(FRESH_STORE_ENV,), prefork=prefork)
     rng = random.Random(seed)
@@ -103,6 +103,24 @@ def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal
     assert "elastic_ddp.prefork" not in output  # the launcher logs only when it had to run a worker itself
     check_resumed_further_each_time(tmp_path, kills=3)
     assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
+
+
+def test_a_run_that_draws_random_numbers_keeps_no_rescue_and_resumes_bitwise_from_a_replica(
+    etcd_server: EtcdServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """With dropout the RNG streams are part of the run: the survivor of a kill does not keep its live state
+    (a resume from it would re-derive the streams), and the restart resumes from the newest replica, which
+    holds every rank's streams, so the weights still equal an uninterrupted run's bit for bit."""
+    dropout = ("--model-dropout", "0.1")
+    logs = tmp_path_factory.mktemp("reference-dropout")
+    train_ok(["--max-steps", "200", "--log-progress", "off", "--log-dir", str(logs), *dropout], nproc=NODES)
+    _, output = run_with_kills(etcd_server, tmp_path, kills=1, steps=200, seed=7, extra=dropout)
+    saved = events(tmp_path / "logs", "replica_saved")
+    assert saved and not [event for event in saved if event["reason"] == "rescue"]
+    assert "not kept for the restart: the run draws random numbers" in output
+    (resumed,) = [event for event in events(tmp_path / "logs", "resumed") if event["rank"] == 0]
+    assert resumed["source"] == "replica" and resumed["rank_state_reused"]
+    assert done_event(tmp_path / "logs")["model_digest"] == done_event(logs)["model_digest"]
 
 
 @pytest.mark.slow

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
+import torch
 
 from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
+from elastic_ddp.state import rng_digest
 
 PLAIN = LiveState(phase=StepPhase.FORWARD, forward_changes_state=False, sharded_optimizer=False, rank_objects=False,
                   rng_used=False)
@@ -37,3 +40,18 @@ def test_state_that_cannot_be_kept_whole_is_never_kept(field: str, reason: str) 
     for phase in StepPhase:
         if phase is not StepPhase.UPDATE:
             assert why_not_kept(dataclasses.replace(PLAIN, phase=phase, **{field: True})) == reason
+
+
+def test_the_rng_digest_moves_when_a_dropout_draws_and_stays_when_nothing_does() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    plain = torch.nn.Linear(4, 4)
+    inputs = torch.ones(2, 4)
+    before = rng_digest()
+    plain(inputs).sum().backward()
+    assert rng_digest() == before
+    model(inputs)
+    assert rng_digest() != before
+    before = rng_digest()
+    random.random()
+    assert rng_digest() != before
