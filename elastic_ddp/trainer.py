@@ -49,7 +49,7 @@ from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
 from elastic_ddp.resilience.agreement import StopAgreement
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.exits import peer_loss
-from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
@@ -521,9 +521,8 @@ class Trainer:
         state of its step (:mod:`elastic_ddp.resilience.rescue`); never raises (the peer's loss is the error)."""
         assert self.replicas is not None
         step = self.state.counters.step
-        buffers = set(self.model.state_dict()) - {name for name, _ in self.model.named_parameters()}
         reason = why_not_kept(LiveState(
-            phase=self._phase, forward_changes_state=bool(buffers or self.state.extra),
+            phase=self._phase, forward_changes_state=has_persistent_buffers(self.model) or bool(self.state.extra),
             sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
             rng_used=self._rng_at_start != rng_digest(),
             device_busy=self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query(),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+
 
 class StepPhase(enum.Enum):
     """Where the training thread is in its step when a collective fails."""
@@ -43,6 +45,13 @@ class LiveState:
     device_busy: bool = False
     """The accelerator still has queued work: a collective there may be waiting for the lost peer, and copying
     the state off the device would wait behind it."""
+
+
+def has_persistent_buffers(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s state dict holds anything but parameters (a tied parameter saved under two names
+    is still a parameter)."""
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return any(name not in parameters for name in model.state_dict())
 
 
 def why_not_kept(live: LiveState) -> str | None:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
 from elastic_ddp.state import rng_digest
 
 PLAIN = LiveState(phase=StepPhase.FORWARD, forward_changes_state=False, sharded_optimizer=False, rank_objects=False,
@@ -55,3 +55,19 @@ def test_the_rng_digest_moves_when_a_dropout_draws_and_stays_when_nothing_does()
     before = rng_digest()
     random.random()
     assert rng_digest() != before
+
+
+def test_batch_norm_statistics_are_buffers_and_a_tied_weight_is_not() -> None:
+    tied = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    assert set(tied.state_dict()) == {"0.weight", "1.weight"}
+    assert not has_persistent_buffers(tied)
+    assert has_persistent_buffers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+
+    class Cached(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    assert not has_persistent_buffers(Cached())
