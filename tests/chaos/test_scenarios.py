@@ -128,8 +128,9 @@ def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a
         tmp_path: Path, cache_dir: Path) -> None:
     """Two nodes, checkpoints every 100 steps, replicas at their default budget; node1 is killed (its memory
     with it) at step 50 and a new node takes its place. node0's worker, whose collective failed, keeps its
-    live state (a rescue), and both ranks resume from it: rank 0 from its own node's memory, the new node's
-    rank from node0 over the process group. At most the interrupted step is redone."""
+    live state (a rescue, unless its replica of that very step is already held), and both ranks resume from
+    it: rank 0 from its own node's memory, the new node's rank from node0 over the process group. At most
+    the interrupted step is redone (a replica at the default budget alone can be several steps old)."""
     scenario = parse_scenario({
         "name": "replica-peer", "description": "a node killed between checkpoints, replaced at once", "timeout_s": 300,
         "job": REPLICA_JOB, "cluster": TWO_NODES,
@@ -142,8 +143,9 @@ def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a
     assert set(resumes) == {0, 1} and {event.source for event in resumes.values()} == {"replica"}, text
     assert resumes[1].node == "node2" and resumes[1].path.startswith("replica of step"), text
     assert all(event.step is not None and event.step < 100 for event in resumes.values()), "not a checkpoint"
-    rescued = [event for event in facts.events if event.kind == "replica_saved" and event.reason == "rescue"]
-    assert [(event.node, event.step) for event in rescued] == [("node0", resumes[0].step)], text
+    # node0's rescue of that step, or its periodic replica when one of that very step was already held
+    kept = {(event.node, event.step, event.reason) for event in facts.events if event.kind == "replica_saved"}
+    assert ("node0", resumes[0].step, "rescue") in kept or ("node0", resumes[0].step, "due") in kept, text
     last_before = max(step.step for step in facts.steps if step.time < killed.fired_at)
     assert last_before - resumes[0].step <= 1, f"steps redone: {last_before - resumes[0].step}\n{text}"
 

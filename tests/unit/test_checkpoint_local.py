@@ -357,10 +357,12 @@ def test_another_ranks_damaged_file_rejects_the_checkpoint_while_rank_0_reads_it
     import shutil
 
     state = make_state()
+    saver = manager(tmp_path)
     advance(state, 2)
-    manager(tmp_path).save(state)
+    saver.save(state)
     advance(state, 2)
-    saved = manager(tmp_path).save(state)
+    saved = saver.save(state)
+    saver.wait_for_retention()  # it verifies in the background: not while this test rewrites the files
     step_dir = tmp_path / "step-00000004"
     other = step_dir / saved.rank_file(0).replace("rank-00000", "rank-00001")
     shutil.copy(step_dir / saved.rank_file(0), other)
