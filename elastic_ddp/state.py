@@ -129,10 +129,7 @@ class TrainState:
         return state
 
     def rank_state_dict(self) -> dict[str, Any]:
-        rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["torch_cuda"] = torch.cuda.get_rng_state()
-        state: dict[str, Any] = {"rng": rng}
+        state: dict[str, Any] = {"rng": rng_streams()}
         if self.sharded_optimizer:
             state["optimizer_shard"] = self.optimizer.optim.state_dict()  # type: ignore[attr-defined]
         state.update((name, obj.state_dict()) for name, obj in self.rank_extra.items())
@@ -251,13 +248,20 @@ def is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
-def rng_digest() -> str:
-    """A digest of this process's RNG streams (torch's CPU and CUDA generators, Python's ``random``): it changes
-    when any of them draws."""
-    hasher = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
-    hasher.update(repr(random.getstate()).encode())
+def rng_streams() -> dict[str, Any]:
+    """This process's RNG streams, as a rank file saves them: torch's CPU (and CUDA) generator, Python's ``random``."""
+    rng: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        hasher.update(torch.cuda.get_rng_state().numpy().tobytes())
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def rng_digest() -> str:
+    """A digest of :func:`rng_streams`: it changes when any of them draws."""
+    hasher = hashlib.sha256()
+    for name, stream in sorted(rng_streams().items()):
+        hasher.update(name.encode())
+        hasher.update(stream.numpy().tobytes() if isinstance(stream, torch.Tensor) else repr(stream).encode())
     return hasher.hexdigest()
 
 

@@ -18,9 +18,11 @@ from elastic_ddp.state import TrainState, derive_rng_seed, model_digest
 from tests.unit.test_checkpoint_local import advance, make_state
 
 
-def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = None, generation: int = 1) -> Replicas:
-    return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=0, world_size=1, local_rank=0, node_rank=0,
-                    token=manager.token, every=1, events=events, generation=generation)
+def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = None, generation: int = 1,
+             rank: int = 0, world_size: int = 1) -> Replicas:
+    """Rank ``rank`` of ``world_size`` on node 0 (its ``rank``-th worker: rank 0 writes the node's replicas)."""
+    return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=rank, world_size=world_size,
+                    local_rank=rank, node_rank=0, token=manager.token, every=1, events=events, generation=generation)
 
 
 def replicate(state: TrainState, node: Replicas, steps: int = 1) -> None:
@@ -266,11 +268,6 @@ def test_a_node_that_cannot_write_replicas_warns_once_and_trains_on(tmp_path: Pa
 # -- rescue: the live state a survivor keeps after a peer's loss ----------------------------------------------------
 
 
-def rescuer(root: Path, manager: CheckpointManager, rank: int = 0, world_size: int = 1) -> Replicas:
-    return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=rank, world_size=world_size,
-                    local_rank=rank, node_rank=0, token=manager.token, every=1, generation=1)
-
-
 def test_a_rescue_newer_than_the_last_replica_is_resumed_with_rng_streams_re_derived(tmp_path: Path) -> None:
     """A survivor kept step 5 after its peer's loss; the periodic replica is of step 3. The restart resumes
     from step 5: model, optimizer and data position of step 5, RNG streams derived (the lost ranks' are gone)."""
@@ -279,8 +276,7 @@ def test_a_rescue_newer_than_the_last_replica_is_resumed_with_rng_streams_re_der
     advance(state, 2)
     storage.save(state)
     events = EventLog(str(tmp_path / "logs"), run_id="unit", rank=0)
-    node = Replicas(str(tmp_path / "shm"), run_id="unit", checkpoint_uri=storage.uri, rank=0, world_size=1,
-                    local_rank=0, node_rank=0, token=storage.token, every=1, generation=1, events=events)
+    node = replicas(tmp_path / "shm", storage, events=events)
     replicate(state, node)
     advance(state, 2)
     path = node.rescue(state)
@@ -307,7 +303,7 @@ def test_a_rescue_newer_than_the_last_replica_is_resumed_with_rng_streams_re_der
 def test_one_survivor_per_node_keeps_the_state_and_none_when_the_step_is_already_held(tmp_path: Path) -> None:
     state = make_state()
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=2, run_id="unit")
-    first, second = rescuer(tmp_path / "shm", storage, 0, 2), rescuer(tmp_path / "shm", storage, 1, 2)
+    first, second = (replicas(tmp_path / "shm", storage, rank=rank, world_size=2) for rank in (0, 1))
     advance(state, 4)
     os.makedirs(first.own)
     with _node_lock(os.path.join(first.own, "rescue.lock")) as locked:  # another survivor is writing
@@ -327,7 +323,7 @@ def test_after_resuming_from_a_rescue_it_is_removed_once_a_newer_replica_is_comm
     storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
     replicate(state, replicas(tmp_path / "shm", storage), 2)
     advance(state, 1)
-    rescue = rescuer(tmp_path / "shm", storage).rescue(state)
+    rescue = replicas(tmp_path / "shm", storage).rescue(state)
     restarted = replicas(tmp_path / "shm", storage)
     restored = storage.restore(state, replicas=restarted)
     assert restored is not None and restored.path == rescue
@@ -353,6 +349,6 @@ def test_two_nodes_rescues_of_one_step_are_one_replica_only_if_their_bytes_are(t
 
 
 def _rescued(root: Path, storage: CheckpointManager, state: TrainState) -> list[Any]:
-    node = rescuer(root, storage)
+    node = replicas(root, storage)
     assert node.rescue(state) is not None
     return node.held()
