@@ -91,7 +91,8 @@ REQUIRED = (
         name="_RendezvousState",
         attributes=("round", "complete", "closed", "deadline", "participants", "wait_list", "redundancy_list",
                     "last_heartbeats"),
-        used_in=f"{_HANDLER} (leave, _left_behind), etcd._pause_until_last_call_ends and etcd._may_close_early read it",
+        used_in=f"{_HANDLER} (leave, _left_behind), etcd._pause_until_last_call_ends, etcd._may_close_early and "
+                "etcd._job_nodes read it",
     ),
     Private(
         name="_RendezvousJoinOp",

@@ -363,6 +363,14 @@ def _may_close_early(ctx: _RendezvousContext) -> bool:
     return all(node in state.participants for node in state.last_heartbeats)
 
 
+def _job_nodes(state: _RendezvousState) -> set[_NodeDesc]:
+    """The nodes of the job as the state shows them: the current round's participants, the nodes waiting
+    for the next round or as spares, and every node with a heartbeat. Between two rounds the new one may
+    have no participant yet while the old one's wait on the wait list, and a node that left a round to
+    re-join keeps its heartbeat (:meth:`_OpExecutor._remove_from_participants`) but is in neither."""
+    return {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
+
+
 def _pause_until_last_call_ends(state: _RendezvousState) -> float | None:
     """Seconds until the open round's last call ends, if that is sooner than torch's next read
     (a second); ``None`` otherwise."""
@@ -404,8 +412,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     every round would include it and forming the process group would wait for it. With
     ``reach_check`` (the default), every completed round is checked first (:mod:`.reach`): the
     nodes of a cut pair that the agents agree to leave out step out of the round and wait until
-    they reach every node of the job's current round again, then re-join; the others re-form at
-    once without them.
+    they reach every other node of the job again (:func:`_job_nodes`), then re-join; the others
+    re-form at once without them.
 
     **Re-joining.** torch removes a node from the round once its last heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
@@ -516,8 +524,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._op_executor.leaving = False
 
     def _wait_until_reachable(self, deadline: float) -> None:
-        """Return once this node reaches every other participant of the job's current round (complete or
-        forming; at once when there is none); probe every ``keep_alive_interval``.
+        """Return once this node reaches every other node of the job (:func:`_job_nodes`; at once when
+        there is none); probe every ``keep_alive_interval``.
 
         Raises:
             RendezvousClosedError: the job ended meanwhile.
@@ -533,7 +541,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 state = self._state_holder.state
                 if state.closed:
                     raise RendezvousClosedError()
-                others = [node for node in state.participants if node != self._this_node]
+                others = sorted(_job_nodes(state) - {self._this_node}, key=str)
                 if not others:
                     return
                 keys = [_node_key(node) for node in others]

@@ -15,9 +15,10 @@ reach. With it, each agent, once a round completes:
    compare-and-set on ``reach/verdict``: the first proposal wins and every agent acts on that
    one, so all agree even when a late list reached some of them and not others.
 
-A node left out steps out of the round and re-joins once it reaches every node of the job's
-current round again; the others re-form without it at once (see ``etcd.EtcdRendezvousHandler``).
-When every node reaches every other, the check costs a few etcd round trips and no wait.
+A node left out steps out of the round and re-joins once it reaches every other node of the job
+again (those of the round, waiting for the next, or heartbeating); the others re-form without it
+at once (see ``etcd.EtcdRendezvousHandler``). When every node reaches every other, the check
+costs a few etcd round trips and no wait.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.run
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousParameters,
     RendezvousTimeoutError,
@@ -299,3 +300,63 @@ def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins
     assert sizes == {0: 3, 1: 3, 2: 3}
     for handler in handlers:
         handler.shutdown()
+
+
+def test_a_node_left_out_waits_for_the_others_even_while_they_are_between_rounds(
+        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The left-out node steps out last: the other two already left the checked round for the next, so that
+    round is open with nobody in it yet (they wait on torch's wait list). The node must still count them as
+    the job's nodes and wait until it reaches them; re-joining at once put it in the next round again, and
+    every node paid one more check (a re-formation 15 s late in a three-namespace chaos run)."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60", "reach_timeout": "1"}
+    run_id = uuid.uuid4().hex[:8]
+    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3,
+                                                            local_addr="127.0.0.1", **conf)) for _ in range(3)]
+    probe = reach.probe
+    monkeypatch.setattr(reach, "probe", lambda addresses, timeout: frozenset()
+                        if threading.current_thread().name == "node-2" else probe(addresses, timeout))
+    isolated = handlers[2]
+    isolated._probe_listener().close()  # type: ignore[attr-defined]
+    others = {handler._this_node for handler in handlers[:2]}  # type: ignore[attr-defined]
+    step_out = isolated._step_out  # type: ignore[attr-defined]
+    step_outs: list[int] = []
+
+    def step_out_last(left_out: frozenset[int], world_size: int) -> None:
+        holder = isolated._state_holder  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 30
+        while not step_outs and not others <= holder.state.wait_list:  # the others left this round, and wait
+            assert time.monotonic() < deadline, "the other two never left the checked round"
+            time.sleep(0.05)
+            holder._last_sync_time = -1.0
+            holder.sync()
+        step_outs.append(holder.state.round)
+        step_out(left_out, world_size)
+
+    monkeypatch.setattr(isolated, "_step_out", step_out_last)
+    rounds: dict[int, tuple[int, int]] = {}
+    closed: list[int] = []
+
+    def join(index: int) -> threading.Thread:
+        def run() -> None:
+            try:
+                info = handlers[index].next_rendezvous()
+            except RendezvousClosedError:  # the job ended while it waited
+                closed.append(index)
+                return
+            rounds[index] = (info.world_size, handlers[index]._state_holder.state.round)  # type: ignore[attr-defined]
+        thread = threading.Thread(target=run, name=f"node-{index}", daemon=True)
+        thread.start()
+        return thread
+
+    threads = [join(index) for index in range(3)]
+    for thread in threads[:2]:
+        thread.join(timeout=60)
+    try:
+        assert rounds == {0: (2, 1), 1: (2, 1)}, "the other two re-formed only after another round with node 2"
+        assert step_outs == [0], "node 2 re-joined while it still could not reach the others"
+        assert threads[2].is_alive()  # still waiting to reach them
+    finally:
+        for handler in handlers:
+            handler.shutdown()
+    threads[2].join(timeout=30)
+    assert closed == [2]
