@@ -366,8 +366,9 @@ def _may_close_early(ctx: _RendezvousContext) -> bool:
 def _job_nodes(state: _RendezvousState) -> set[_NodeDesc]:
     """The nodes of the job as the state shows them: the current round's participants, the nodes waiting
     for the next round or as spares, and every node with a heartbeat. Between two rounds the new one may
-    have no participant yet while the old one's wait on the wait list, and a node that left a round to
-    re-join keeps its heartbeat (:meth:`_OpExecutor._remove_from_participants`) but is in neither."""
+    have no participant yet while the old one's participants wait on torch's wait list, and a node that
+    left a round to re-join keeps its heartbeat (:meth:`_OpExecutor._remove_from_participants`) but is in
+    neither."""
     return {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
 
 
