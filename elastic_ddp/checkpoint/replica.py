@@ -386,10 +386,14 @@ class Replicas:
             return None, interval
         return [item[_HEAD.size : _HEAD.size + length] for item, (length, _) in zip(raw, heads)], interval
 
+    def _slot_paths(self) -> list[str]:
+        """This writer's slot directories (its periodic replicas; a rescue is written beside them)."""
+        return [os.path.join(self.own, f"slot-{index}") for index in range(SLOTS)]
+
     def _free_slot(self) -> _Slot:
         """The slot to write: the one not holding this node's newest replica."""
         if self._slots is None:
-            self._slots = [_Slot(os.path.join(self.own, f"slot-{index}")) for index in range(SLOTS)]
+            self._slots = [_Slot(path) for path in self._slot_paths()]
             for slot in self._slots:
                 slot.step = _committed_step(slot.path, self.run_id)
         return min(self._slots, key=lambda slot: -1 if slot.step is None else slot.step)
@@ -589,7 +593,7 @@ class Replicas:
         for held in self.held():
             if _identity(held.manifest) != identity:
                 shutil.rmtree(held.path, ignore_errors=True)
-            elif os.path.dirname(held.path) != self.own or not os.path.basename(held.path).startswith("slot-"):
+            elif held.path not in self._slot_paths():
                 self._superseded = held.path
         self._slots = None  # which slot holds what is read again at the next save
 
