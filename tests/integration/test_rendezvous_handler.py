@@ -253,26 +253,34 @@ def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
         assert not kill_fork_servers(os.getpid()), "the fork server did not die"
 
 
-def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
-        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three agents of a 1:3 job; the third neither reaches the others nor is reached (its probe listener is
-    closed, its probes fail) but it heartbeats to etcd. The round leaves it out and the other two re-form at
-    world size 2 (without the check they would keep including it); it waits, and once its links are back it
-    re-joins the next round, which all three form."""
+def _three_nodes_the_third_cut_off(endpoint: str, monkeypatch: pytest.MonkeyPatch,
+                                   cut_off: threading.Event) -> list[DynamicRendezvousHandler]:
+    """Three handlers of a 1:3 job (1 s heartbeats and probes). The third's probe listener is closed, so
+    nobody reaches it, and while ``cut_off`` is set its probes (made on a thread named ``node-2``) fail."""
     conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60", "reach_timeout": "1"}
     run_id = uuid.uuid4().hex[:8]
-    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3,
+    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 3,
                                                             local_addr="127.0.0.1", **conf)) for _ in range(3)]
-    cut_off = threading.Event()
-    cut_off.set()
     probe = reach.probe
 
     def probe_unless_cut_off(addresses, timeout):  # type: ignore[no-untyped-def]
         return frozenset() if cut_off.is_set() and threading.current_thread().name == "node-2" else probe(addresses, timeout)
 
     monkeypatch.setattr(reach, "probe", probe_unless_cut_off)
+    handlers[2]._probe_listener().close()  # type: ignore[attr-defined]
+    return handlers
+
+
+def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_it_reaches_them(
+        etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three agents of a 1:3 job; the third neither reaches the others nor is reached (its probe listener is
+    closed, its probes fail) but it heartbeats to etcd. The round leaves it out and the other two re-form at
+    world size 2 (without the check they would keep including it); it waits, and once its links are back it
+    re-joins the next round, which all three form."""
+    cut_off = threading.Event()
+    cut_off.set()
+    handlers = _three_nodes_the_third_cut_off(etcd_server.endpoint, monkeypatch, cut_off)
     isolated = handlers[2]
-    isolated._probe_listener().close()  # type: ignore[attr-defined]
     sizes: dict[int, int] = {}
 
     def join(index: int) -> threading.Thread:
@@ -308,15 +316,10 @@ def test_a_node_left_out_waits_for_the_others_even_while_they_are_between_rounds
     round is open with nobody in it yet (they wait on torch's wait list). The node must still count them as
     the job's nodes and wait until it reaches them; re-joining at once put it in the next round again, and
     every node paid one more check (a re-formation 15 s late in a three-namespace chaos run)."""
-    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60", "reach_timeout": "1"}
-    run_id = uuid.uuid4().hex[:8]
-    handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3,
-                                                            local_addr="127.0.0.1", **conf)) for _ in range(3)]
-    probe = reach.probe
-    monkeypatch.setattr(reach, "probe", lambda addresses, timeout: frozenset()
-                        if threading.current_thread().name == "node-2" else probe(addresses, timeout))
+    cut_off = threading.Event()
+    cut_off.set()
+    handlers = _three_nodes_the_third_cut_off(etcd_server.endpoint, monkeypatch, cut_off)
     isolated = handlers[2]
-    isolated._probe_listener().close()  # type: ignore[attr-defined]
     others = {handler._this_node for handler in handlers[:2]}  # type: ignore[attr-defined]
     step_out = isolated._step_out  # type: ignore[attr-defined]
     step_outs: list[int] = []
