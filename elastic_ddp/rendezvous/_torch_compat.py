@@ -112,8 +112,9 @@ REQUIRED = (
     ),
     Private(
         name="DynamicRendezvousHandler",
-        attributes=("_this_node", "_settings", "_state_holder", "_op_executor"),
-        used_in=f"{_HANDLER} subclasses it, reads these and replaces _op_executor with an {_EXECUTOR}",
+        attributes=("_this_node", "_settings", "_state_holder", "_op_executor", "_heartbeat_lock"),
+        used_in=f"{_HANDLER} subclasses it, reads these and replaces _op_executor with an {_EXECUTOR}; its poll "
+                "takes _heartbeat_lock as torch's num_nodes_waiting does, with a time limit",
     ),
     Private(
         name="DynamicRendezvousHandler._stop_heartbeats",

@@ -139,8 +139,8 @@ class EtcdClient(Protocol):
     def endpoints(self) -> tuple[str, ...]:
         """The ``host:port`` endpoints this client may talk to."""
 
-    def get(self, key: bytes) -> KeyValue | None:
-        """The key, or ``None`` when it does not exist."""
+    def get(self, key: bytes, timeout: float | None = None) -> KeyValue | None:
+        """The key, or ``None`` when it does not exist (within ``timeout`` seconds, default the operation deadline)."""
 
     def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
         """The keys (``None`` for absent ones) read at one revision, and that revision."""
@@ -239,9 +239,9 @@ class GrpcEtcdClient:
 
     # -- KV ---------------------------------------------------------------
 
-    def get(self, key: bytes) -> KeyValue | None:
+    def get(self, key: bytes, timeout: float | None = None) -> KeyValue | None:
         """See :class:`EtcdClient`."""
-        response = self._unary("get", etcdrpc.KVStub, "Range", etcdrpc.RangeRequest(key=key))
+        response = self._unary("get", etcdrpc.KVStub, "Range", etcdrpc.RangeRequest(key=key), timeout)
         return _to_key_value(response.kvs[0]) if response.kvs else None
 
     def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
@@ -335,9 +335,9 @@ class GrpcEtcdClient:
     def _txn(self, what: str, request: etcdrpc.TxnRequest) -> etcdrpc.TxnResponse:
         return self._unary(what, etcdrpc.KVStub, "Txn", request)
 
-    def _unary(self, what: str, stub: type, method: str, request: Message) -> Any:
-        """One unary RPC ``stub(channel).method(request)`` with fail-over."""
-        return self._call(what, _unary_rpc(stub, method, request))
+    def _unary(self, what: str, stub: type, method: str, request: Message, timeout: float | None = None) -> Any:
+        """One unary RPC ``stub(channel).method(request)`` with fail-over (within ``timeout``, default the deadline)."""
+        return self._call(what, _unary_rpc(stub, method, request), timeout)
 
     def _call(
         self, what: str, rpc: Callable[[grpc.Channel, float, _Metadata], T], timeout: float | None = None

@@ -70,7 +70,8 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -142,6 +143,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._leases = leases
         self._seen_revision = 0
         """The newest revision of the state key this process read or wrote (any thread)."""
+        self._quick = threading.local()
+        """This thread's bound on a read of the state (:meth:`reads_within`); unset: ``read_timeout``."""
+
+    @contextmanager
+    def reads_within(self, timeout: float) -> Iterator[None]:
+        """Within the block, this thread's reads of the state give up after ``timeout`` seconds
+        (:class:`EtcdConnectionError`) instead of riding out an outage for ``read_timeout``."""
+        self._quick.timeout = timeout
+        try:
+            yield
+        finally:
+            self._quick.timeout = None
 
     def wait_for_change(self, timeout: float) -> bool:
         """Block until the state is written after the newest revision this process has seen (True),
@@ -177,7 +190,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd was unreachable (``EtcdConnectionError``).
             RendezvousStateError: the key holds something this backend did not write.
         """
-        current = self._client.get(self._key)
+        current = self._client.get(self._key, timeout=getattr(self._quick, "timeout", None))
         if current is None:
             return None
         return self._decode(current.value), self._saw(current.mod_revision)
@@ -197,7 +210,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         revision = None if token is None else _as_revision(token)
         if token is not None and revision is None:
             return self._current_state_not_written()
-        current = self._client.get(self._key)
+        current = self._client.get(self._key, timeout=getattr(self._quick, "timeout", None))
         if (None if current is None else current.mod_revision) != revision:
             return None if current is None else (self._decode(current.value), self._saw(current.mod_revision), False)
         condition = Absent() if revision is None else ModRevisionIs(revision)
@@ -405,7 +418,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     **etcd outages.** Workers never use etcd; only membership changes need it. While etcd does not
     answer, :meth:`num_nodes_waiting` (the agent's poll of a healthy group) reports no waiting
     node, with one warning per outage, instead of failing the agent and stopping a training job:
-    the first poll of an outage waits up to ``read_timeout``; later ones probe etcd for at most
+    the first poll of an outage gives up after ``connect_timeout`` (:meth:`_waiting_within`); later ones probe etcd for at most
     ``connect_timeout`` every ``keep_alive_interval``. :meth:`shutdown` (a finished job) gives
     up closing the rendezvous, with a warning, when etcd does not answer within ``connect_timeout``.
 
@@ -611,7 +624,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._outage_since is not None and not self._etcd_back():
             return 0
         try:
-            waiting = super().num_nodes_waiting()
+            waiting = self._waiting_within(self._poll_timeout())
         except EtcdConnectionError as exc:
             self._outage_began(exc)
             return 0
@@ -621,6 +634,31 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if waiting == 0 and self._left_behind():
             return 1
         return waiting
+
+    def _poll_timeout(self) -> float:
+        """How long one poll may wait on etcd: ``connect_timeout``, as a probe during an outage."""
+        store = self._etcd_store
+        return store.probe_timeout if store is not None else self._settings.timeout.heartbeat.total_seconds()
+
+    def _waiting_within(self, limit: float) -> int:
+        """torch's ``num_nodes_waiting`` (sync the state, count its wait list) in about ``limit`` seconds at most.
+
+        The agent polls this while its workers train, and a poll that lands as they exit delays the
+        agent's exit by as long as it takes. So neither of its waits rides out an outage: not the
+        heartbeat lock, which a heartbeat holds while its own write waits on etcd, nor the read.
+
+        Raises:
+            EtcdConnectionError: etcd did not answer within ``limit``.
+        """
+        if not self._heartbeat_lock.acquire(timeout=limit):
+            raise EtcdConnectionError(f"a heartbeat has waited on etcd for over {limit:g} s")
+        try:
+            backend = self._op_executor.backend
+            with backend.reads_within(limit) if backend is not None else nullcontext():
+                self._state_holder.sync()
+            return len(self._state_holder.state.wait_list)
+        finally:
+            self._heartbeat_lock.release()
 
     def _outage_began(self, exc: EtcdConnectionError) -> None:
         if self._outage_since is None:

@@ -158,6 +158,41 @@ def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server
     assert time.monotonic() - start < 10
 
 
+def _one_node_in_a_round(endpoint: str) -> DynamicRendezvousHandler:
+    """A 1-node job's handler after its first round (read_timeout 30 s, connect_timeout 2 s)."""
+    handler = get_rendezvous_handler(params(endpoint, uuid.uuid4().hex[:8], 1, read_timeout="30", join_timeout="90",
+                                            connect_timeout="2", keep_alive_interval="60"))
+    assert handler.next_rendezvous().world_size == 1
+    return handler
+
+
+def test_the_agents_poll_gives_up_on_a_dead_etcd_within_connect_timeout_not_read_timeout(etcd_server: EtcdServer) -> None:
+    """The agent polls num_nodes_waiting while its workers train; a poll that waits out read_timeout holds
+    the agent that long after its workers have exited (a job whose etcd is gone as it ends)."""
+    handler = _one_node_in_a_round(etcd_server.endpoint)
+    etcd_server.kill()
+    handler._state_holder._last_sync_time = -1.0  # type: ignore[attr-defined]  # read etcd, not torch's 1 s cache
+    started = time.monotonic()
+    assert handler.num_nodes_waiting() == 0
+    assert time.monotonic() - started < 2 + 2
+
+
+def test_the_agents_poll_does_not_wait_behind_a_heartbeat_stuck_on_etcd(etcd_server: EtcdServer) -> None:
+    """A heartbeat holds the handler's lock while its write waits on etcd (up to read_timeout); the poll
+    takes the same lock, and gives up on it within connect_timeout."""
+    handler = _one_node_in_a_round(etcd_server.endpoint)
+    lock = handler._heartbeat_lock  # type: ignore[attr-defined]  # what torch's heartbeat holds during its write
+    with lock:
+        started = time.monotonic()
+        poll = threading.Thread(target=lambda: results.append(handler.num_nodes_waiting()))
+        results: list[int] = []
+        poll.start()
+        poll.join(timeout=30)
+        took = time.monotonic() - started
+    assert results == [0]
+    assert took < 2 + 2
+
+
 def test_torchrun_with_no_etcd_at_the_endpoint_fails_within_15_s_in_one_line_naming_it(tmp_path: Path) -> None:
     """Before: two minutes and more of silence (the first join waited read_timeout, then retried)."""
     from chaos.cluster import free_port

@@ -189,8 +189,8 @@ def test_state_changed_between_check_and_write_is_returned_not_overwritten(
     other = EtcdRendezvousBackend(client, KEY, LeaseKeeper(client, TTL, clock=client.clock))
     check = client.get
 
-    def check_then_lose_the_race(key: bytes):
-        current = check(key)
+    def check_then_lose_the_race(key: bytes, timeout: float | None = None):
+        current = check(key, timeout)
         client.get = check  # type: ignore[method-assign]
         other.set_state(b"theirs", token)
         return current
