@@ -352,7 +352,7 @@ def lm_plain_loop(config, context, model, data, steps: int, gc_every: int = 0) -
 def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0) -> tuple[float, float]:
     """The plain loop plus the library path's per-step additions (as in examples/byo_loop/train.py):
     the ElasticSampler as batch sampler, its plan, micro-batches, loss scale and commit, and
-    StepGuard.after_step every step; returns (wall, CPU) seconds."""
+    Runtime.after_step every step (no checkpoint directory); returns (wall, CPU) seconds."""
     from contextlib import nullcontext
 
     from lm_train import lm_loss
@@ -360,7 +360,7 @@ def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0)
     from torch.utils.data import DataLoader
 
     from elastic_ddp.collection import StepCollection
-    from elastic_ddp.loop import ElasticSampler, StepGuard
+    from elastic_ddp.loop import ElasticSampler, ResilienceConfig, Runtime
 
     device = context.device
     model = model.to(device)
@@ -372,9 +372,12 @@ def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0)
     loader = DataLoader(data, batch_sampler=sampler, num_workers=config.loader.num_workers,
                         pin_memory=device.type == "cuda")
     resilience = config.resilience
-    guard = StepGuard(hang_timeout_s=resilience.watchdog_timeout_s,
-                      agreement_interval_s=resilience.agreement_interval_s,
-                      handle_signals=resilience.handle_signals, timeout_s=config.dist.collective_timeout_s)
+    runtime = Runtime.for_loop(model=model, optimizer=optimizer, sampler=sampler, seed=config.seed,
+                               resilience=ResilienceConfig(watchdog_timeout_s=resilience.watchdog_timeout_s,
+                                                           agreement_interval_s=resilience.agreement_interval_s,
+                                                           handle_signals=resilience.handle_signals),
+                               collective_timeout_s=config.dist.collective_timeout_s).__enter__()
+    runtime.begin()
     started, cpu_started = time.perf_counter(), time.process_time()
     collection = StepCollection(gc_every).start()
     batches = iter(loader)
@@ -393,10 +396,11 @@ def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0)
         lm_optimizer_step(config, model, optimizer, scheduler, scaler)
         sampler.commit(plan)
         step += 1
-        if guard.after_step(step).stop:
+        if runtime.after_step(step).stop:
             break
         collection.step(step)
-    guard.close()  # completes the agreement still in flight, as the trainer's run does before it returns
+    runtime.agreement.settle()  # completes the agreement still in flight, as the trainer's run does before it returns
+    runtime.close()
     collection.stop()
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     del batches

@@ -35,24 +35,18 @@ from torch.utils.data import DataLoader, default_collate
 
 from elastic_ddp._torch_compat import foreach_div_
 from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
-from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
-from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.collection import StepCollection
-from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint, storage_options
+from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint
 from elastic_ddp.data import ElasticSampler, StepPlan
-from elastic_ddp.distributed import DistContext, cpu_group
-from elastic_ddp.errors import CheckpointError, DataError
+from elastic_ddp.distributed import DistContext
+from elastic_ddp.errors import DataError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
-from elastic_ddp.resilience.agreement import StopAgreement
 from elastic_ddp.resilience.consistency import check_consistency
-from elastic_ddp.resilience.exits import peer_loss
-from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
-from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
-from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
-from elastic_ddp.state import TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
+from elastic_ddp.resilience.watchdog import Phase
+from elastic_ddp.runtime import Runtime
+from elastic_ddp.state import TrainState, derive_rng_seed, model_digest
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +93,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 class Trainer:
-    """Runs one launch of a training run; resumes from the newest valid checkpoint if there is one."""
+    """The step engine of one launch: the script's model, data, optimizer, loss and evaluation, stepped on
+    top of a :class:`~elastic_ddp.runtime.Runtime` (checkpoints, replicas, stops, exits)."""
 
     def __init__(
         self,
@@ -151,37 +146,25 @@ class Trainer:
         )
         if built.scheduler is None:  # the runtime's schedule: its horizon is recorded with each checkpoint
             self.state.annotations[LR_HORIZON_KEY] = config.decay_steps
-        timeout_s = config.dist.collective_timeout_s
-        self.control_group = cpu_group(context.world_size, timeout_s, own=True)
-        """Checkpoint coordination: object collectives work whatever the training backend is, and a
-        background save's commit (its own thread) never interleaves with the step's collectives."""
-        self.agreement_group = cpu_group(context.world_size, timeout_s, own=False)
-        """The per-step stop agreement and the consistency check (training thread only): their flags stay
-        on the CPU, so reading them never waits for the device (on the default NCCL group that read
-        would synchronise the host with every step). None: the default group, already a CPU one."""
-        self.checkpoints = self._make_checkpoint_manager()
-        self.async_checkpoints = (
-            AsyncCheckpointer(self.checkpoints) if self.checkpoints is not None and config.checkpoint.async_save else None
-        )
-        self.replicas = self._make_replicas()
-        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main, tensorboard=config.log.tensorboard,
-                                     events=self.events)
-        self._start_resilience()
-        self._restore_or_start_fresh()
-        self.events.set_step(self.state.counters.step)
-        self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self._empty_batch: Any = None
         amp_dtype = getattr(torch, config.amp_dtype)
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
         )
-        self._last_commit_step = self.state.counters.step
-        self._last_commit_time = time.monotonic()
+        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main, tensorboard=config.log.tensorboard,
+                                     events=self.events)
+        """Opened before the runtime restores: its ``resumed`` or ``started_fresh`` event is a TensorBoard marker."""
+        self._empty_batch: Any = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
         """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
-        self._phase = StepPhase.BETWEEN
-        self._rng_at_start = ""
-        """This rank's RNG streams when the loop began (a rescue needs them unmoved)."""
+
+    def make_runtime(self) -> Runtime:
+        """The runtime this trainer steps on, built from the config's sections (enter it with ``with``)."""
+        log = self.config.log
+        return Runtime(
+            self.state, checkpoint=self.config.checkpoint, resilience=self.config.resilience,
+            collective_timeout_s=self.config.dist.collective_timeout_s, events=self.events,
+            rank_log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
+        )
 
     # -- setup -------------------------------------------------------------------
 
@@ -217,87 +200,6 @@ class Trainer:
             step, warmup=optim.warmup_steps, decay_steps=self.config.decay_steps,
             schedule=optim.schedule, min_ratio=optim.min_lr_ratio,
         )
-
-    def _make_checkpoint_manager(self) -> CheckpointManager | None:
-        if not self.config.checkpoint.dir:
-            return None
-        return CheckpointManager(
-            self.config.checkpoint.dir,
-            rank=self.context.rank,
-            world_size=self.context.world_size,
-            run_id=self.context.env.run_id,
-            generation=self.context.env.restart_count,
-            keep=self.config.checkpoint.keep,
-            storage_options=storage_options(self.config.checkpoint),
-            group=self.control_group,
-            probe=True,
-            events=self.events,
-        )
-
-    def _make_replicas(self) -> Replicas | None:
-        checkpoint = self.config.checkpoint
-        if self.checkpoints is None or not checkpoint.replica_every:
-            return None
-        env = self.context.env
-        return Replicas(
-            checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.context.rank,
-            world_size=self.context.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
-            token=self.checkpoints.token, every=checkpoint.replica_every, budget=checkpoint.replica_budget,
-            generation=env.restart_count,
-            group=self.agreement_group, events=self.events,
-        )
-
-    def _start_resilience(self) -> None:
-        resilience = self.config.resilience
-        self.stop = StopRequests()
-        if resilience.handle_signals:
-            self.stop.install_signal_handlers()
-        self.spot_poller = (
-            SpotNoticePoller(resilience.spot_notice_url, resilience.spot_poll_interval_s, self.stop).start()
-            if resilience.spot_notice_url else None
-        )
-        step_limit = PhaseLimit(resilience.watchdog_timeout_s, "hang")
-        log = self.config.log
-        self.watchdog = Watchdog(
-            {
-                Phase.DATA: step_limit,
-                Phase.STEP: step_limit,
-                Phase.COLLECTIVE: step_limit,
-                Phase.EVAL: step_limit,
-                Phase.CHECKPOINT: PhaseLimit(resilience.watchdog_checkpoint_timeout_s, "hang"),
-                Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, "save-deadline"),
-            },
-            log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
-            events=self.events,
-        ).start()
-        self.agreement = StopAgreement(
-            world_size=self.context.world_size, requests=self.stop, group=self.agreement_group,
-            interval_s=resilience.agreement_interval_s, watchdog=self.watchdog, events=self.events,
-        )
-
-    def _restore_or_start_fresh(self) -> None:
-        """Resume, or start at step 0; the manager's restore writes its ``resumed`` or ``started_fresh`` event."""
-        restored = None
-        if self.checkpoints is not None and self.config.checkpoint.resume:
-            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.config.checkpoint.allow_fresh_start,
-                                                replicas=self.replicas)
-        else:
-            if self.checkpoints is not None:
-                self.checkpoints.refuse_if_committed()
-            self.events.emit(Event.STARTED_FRESH, world_size=self.context.world_size,
-                             reason="no-checkpoint-dir" if self.checkpoints is None else "resume-disabled")
-        if restored is None:
-            seed_rng_streams(derive_rng_seed(self.config.seed, 0, self.context.rank))
-            self.log0.info("starting fresh at step 0 (world size %d)", self.context.world_size)
-            return
-        position = self.sampler.position
-        self.log0.info(
-            "resumed from %s%s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
-            "the replica in " if restored.source == "replica" else "", restored.path, restored.step, position.epoch,
-            position.cursor, restored.world_size,
-            self.context.world_size, "" if restored.rank_state_reused else "; RNG streams re-derived",
-        )
-        self._check_lr_horizon()
 
     def _check_lr_horizon(self) -> None:
         """Warn when the LR schedule's horizon differs from the one the checkpoint was trained with."""
@@ -337,15 +239,18 @@ class Trainer:
             config.max_epochs > 0 and plan.epoch >= config.max_epochs
         )
 
-    def run(self) -> TrainResult:
-        """Train until max_steps / max_epochs, or until a stop request is agreed; commit a checkpoint.
-        When a peer is lost, this rank's live state is kept for the restart where it can be (:meth:`_rescue`)."""
+    def run(self, runtime: Runtime) -> TrainResult:
+        """Resume (or start fresh), then train until max_steps / max_epochs, or until a stop request is agreed;
+        the last checkpoint is committed through ``runtime``."""
+        self.runtime = runtime
+        self.watchdog = runtime.watchdog
         try:
+            runtime.restore()
+            self._check_lr_horizon()
+            self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             return self._run()
-        except RuntimeError as exc:
-            if self.replicas is not None and peer_loss(exc) is not None:
-                self._rescue()
-            raise
+        finally:
+            self.metrics.close()
 
     def _run(self) -> TrainResult:
         counters = self.state.counters
@@ -354,7 +259,7 @@ class Trainer:
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples or units)
         batches = self._make_loader()
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
-        self._rng_at_start = rng_digest()
+        self.runtime.begin()
         last_loss: float | None = None
         stop_reason: str | None = None
         try:
@@ -364,7 +269,8 @@ class Trainer:
                 step_time = time.perf_counter() - started
                 timer.add(plan.size, step_time, data_wait)
                 self._set_log_step(counters.step)
-                stop_reason, save_due = self._agree(step_time)
+                decision = self.runtime.agree(step_time)
+                stop_reason = decision.stop
                 if counters.step % self.config.log.every == 0:
                     last_loss = self._log_step(timer, loss_sum, plan)
                     timer.reset()
@@ -372,36 +278,21 @@ class Trainer:
                 progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
                 if stop_reason is not None:
                     break
-                self._periodic_checks(save_due)
+                self._periodic_checks()
+                self.runtime.save_if_due(decision.save_due)
                 collection.step(counters.step)
-            self.agreement.settle()
         finally:
             collection.stop()
             progress.close()
             del batches
+        self.runtime.finish()
         if stop_reason is not None:
-            return self._stop(stop_reason, last_loss)
+            return TrainResult(step=counters.step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
+                               model_digest="", data_digest=self.sampler.data_digest, reason=stop_reason,
+                               stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
 
-    def _agree(self, step_time: float) -> tuple[str | None, bool]:
-        """The decision all ranks share at this step boundary: stop now (and why), and is a time-based save due."""
-        every_s = self.config.checkpoint.every_seconds
-        time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        failed = self.async_checkpoints is not None and self.async_checkpoints.failed()
-        decision = self.agreement.after_step(self.state.counters.step, step_time, time_due, failed)
-        if decision.save_failed:
-            self._raise_agreed_save_failure()
-        return decision.stop, decision.save_due
-
-    def _raise_agreed_save_failure(self) -> None:
-        """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
-        own outcome if it is still in flight)."""
-        assert self.async_checkpoints is not None
-        self.watchdog.enter(Phase.CHECKPOINT)
-        self.async_checkpoints.wait()  # raises the failure, which every rank's committer learned
-        raise CheckpointError(f"rank {self.context.rank}: a background checkpoint save failed on another rank")
-
-    def _periodic_checks(self, save_due: bool) -> None:
+    def _periodic_checks(self) -> None:
         step = self.state.counters.step
         if self.config.eval_every and step % self.config.eval_every == 0:
             self.watchdog.enter(Phase.EVAL)
@@ -409,44 +300,10 @@ class Trainer:
         if self.config.resilience.consistency_every and step % self.config.resilience.consistency_every == 0:
             self.watchdog.enter(Phase.COLLECTIVE)
             # not the control group: a background save's commit uses that one from its own thread
-            check_consistency(self.model, step, self.agreement_group)
-        every = self.config.checkpoint.every
-        if self.checkpoints is not None and (save_due or (every and step % every == 0)):
-            self.watchdog.enter(Phase.CHECKPOINT)
-            self.save_checkpoint()
-        if self.replicas is not None and self.replicas.due(step):
-            self.watchdog.enter(Phase.COLLECTIVE)
-            self.replicas.save(self.state)
-        self.watchdog.enter(Phase.STEP)
-
-    def _stop(self, reason: str, last_loss: float | None) -> TrainResult:
-        """A stop request was agreed at this step: commit it (within the save deadline) and return."""
-        step = self.state.counters.step
-        self.log0.warning("stop agreed at step %d (%s%s)", step, reason,
-                          f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
-        if self.checkpoints is not None:
-            self.watchdog.enter(Phase.EMERGENCY_SAVE)
-            started = time.perf_counter()
-            if self.async_checkpoints is not None:
-                self.async_checkpoints.wait()
-            if self._last_commit_step != step:
-                self.checkpoints.save(self.state)
-                self._last_commit_step = step
-            self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
-        self.watchdog.enter(Phase.IDLE)
-        return TrainResult(step=step, epoch=self.sampler.position.epoch, loss=last_loss, accuracy=None,
-                           model_digest="", data_digest=self.sampler.data_digest, reason=reason,
-                           stop_source=self.stop.reason)
+            check_consistency(self.model, step, self.runtime.agreement_group)
 
     def _finish(self, last_loss: float | None) -> TrainResult:
         counters = self.state.counters
-        self.watchdog.enter(Phase.CHECKPOINT)
-        if self.async_checkpoints is not None:
-            self.async_checkpoints.wait()
-        if self.checkpoints is not None and self.config.checkpoint.save_final and self._last_commit_step != counters.step:
-            self.save_checkpoint(blocking=True)
-        if self.replicas is not None and self.checkpoints is not None and self.config.checkpoint.save_final:
-            self.replicas.discard()  # the final state is committed: nothing will resume from node memory
         self.watchdog.enter(Phase.EVAL)
         evaluated_here = self._last_eval is not None and self._last_eval[0] == counters.step
         metrics = self._last_eval[1] if evaluated_here else self.evaluate()  # type: ignore[index]
@@ -466,13 +323,11 @@ class Trainer:
             "".join(f"eval_{name}={_fmt(value)} " for name, value in metrics.items()),
             result.model_digest, result.data_digest,
         )
-        self.events.emit(Event.DONE, step=result.step, epoch=result.epoch, model_digest=result.model_digest,
-                         data_digest=result.data_digest, loss=result.loss, accuracy=result.accuracy, metrics=metrics)
+        self.runtime.report_done(result.loss, result.accuracy, metrics)
         return result
 
     def _step(self, plan: StepPlan, batches: Iterator[Any], loss_sum: torch.Tensor) -> float:
         """One optimizer step over the plan's samples; returns the seconds spent waiting for data."""
-        self._phase = StepPhase.FORWARD
         micro_batches = self.sampler.local_micro_batches(plan)
         weight = self.sampler.loss_scale(plan)
         data_wait = 0.0
@@ -509,39 +364,10 @@ class Trainer:
             loss_sum[1] += numel
         if units is not None:  # the same on every rank: the loss function's kind does not depend on the share
             self._divide_gradients_by_global_weight(units)
-        self._phase = StepPhase.UPDATE
         self._optimizer_step()
         self.state.counters.step += 1
         self.sampler.commit(plan)
-        self._phase = StepPhase.BETWEEN
         return data_wait
-
-    def _rescue(self) -> None:
-        """A peer was lost: keep this rank's live state in node memory for the restart, when it is a complete
-        state of its step (:mod:`elastic_ddp.resilience.rescue`); never raises (the peer's loss is the error)."""
-        assert self.replicas is not None
-        step = self.state.counters.step
-        reason = why_not_kept(LiveState(
-            phase=self._phase, forward_changes_state=has_persistent_buffers(self.model) or bool(self.state.extra),
-            sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
-            rng_used=self._rng_at_start != rng_digest(),
-            device_busy=self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query(),
-        ))
-        if reason is not None:
-            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.context.rank, step,
-                           reason)
-            return
-        self.watchdog.enter(Phase.EMERGENCY_SAVE)
-        started = time.perf_counter()
-        try:
-            path = self.replicas.rescue(self.state)
-        except (OSError, RuntimeError, ValueError) as exc:
-            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", self.context.rank,
-                           step, exc)
-            return
-        if path is not None:
-            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", self.context.rank, step,
-                        path, time.perf_counter() - started)
 
     def _divide_gradients_by_global_weight(self, units: torch.Tensor) -> None:
         """Gradients hold the global sum of ``mean * weight``; divide them by the global total weight."""
@@ -634,37 +460,6 @@ class Trainer:
         evaluated = {f"eval_{name}": value for name, value in metrics.items()}
         self.metrics.write({"step": self.state.counters.step, **evaluated, "time": time.time()})
         return metrics
-
-    def save_checkpoint(self, blocking: bool = False) -> None:
-        """Commit a checkpoint of the current step: staged and committed in the background unless ``blocking``."""
-        assert self.checkpoints is not None
-        step = self.state.counters.step
-        if self.async_checkpoints is not None and not blocking:
-            blocked = self.async_checkpoints.save(self.state)
-            self.log0.info("checkpoint of step %d captured in %.3f s; parameters and optimizer state are copied during "
-                           "the next step, then committed in the background", step, blocked)
-        else:
-            started = time.perf_counter()
-            if self.async_checkpoints is not None:
-                self.async_checkpoints.wait()
-            self.checkpoints.save(self.state)
-            self.log0.info("checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
-        self._last_commit_step = step
-        self._last_commit_time = time.monotonic()
-
-    def close(self) -> None:
-        self.watchdog.enter(Phase.CHECKPOINT)  # a save still in flight is waited for under that phase's limit
-        if self.async_checkpoints is not None:
-            self.async_checkpoints.close()
-        if self.replicas is not None:
-            self.replicas.close()
-        if self.checkpoints is not None:
-            self.checkpoints.wait_for_retention()
-        self.watchdog.close()
-        if self.spot_poller is not None:
-            self.spot_poller.close()
-        self.stop.restore_signal_handlers()
-        self.metrics.close()
 
 
 def _fmt(value: float | None) -> str:

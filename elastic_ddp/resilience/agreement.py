@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ddp.events import Event, EventLog
+from elastic_ddp.resilience.exits import ExitReason
 from elastic_ddp.resilience.stop import StopRequests
 from elastic_ddp.resilience.watchdog import Phase
 
@@ -47,8 +48,8 @@ def agreement_interval(step_time: float, min_interval_s: float, most: int = 1000
 class Decision:
     """What every rank decided together at the end of a step."""
 
-    stop: str | None = None
-    """None: go on. "preempted": this rank was asked to stop; "peer-lost": another rank was."""
+    stop: ExitReason | None = None
+    """None: go on. PREEMPTED: this rank was asked to stop; PEER_LOST: another rank was."""
     save_due: bool = False
     """Some rank's time-based save clock ran out: every rank saves at this step."""
     save_failed: bool = False
@@ -59,7 +60,7 @@ def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = 
     """The decision from the agreed flags (pure)."""
     if not stop_any:
         return Decision(None, save_any, failed_any)
-    return Decision("preempted" if asked_here else "peer-lost", save_any, failed_any)
+    return Decision(ExitReason.PREEMPTED if asked_here else ExitReason.PEER_LOST, save_any, failed_any)
 
 
 class PhaseMarker(Protocol):

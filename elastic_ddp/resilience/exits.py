@@ -17,7 +17,10 @@ reason               status  what the agent does
 ``divergence``       77      ranks disagreed on the parameters; the agent restarts the group
 ``save-deadline``    78      an emergency save did not finish within its deadline; the
                              previous checkpoint stays the newest committed one
-``error``            1       any other failure (bad config, storage error, a bug)
+``config``           2       a configuration the runtime refused before training (one line
+                             naming the flag or the script's mistake); the agent restarts the
+                             group, which fails the same way, so fix it
+``error``            1       any other failure (a storage error, a broken contract, a bug)
 ===================  ======  ==============================================================
 
 A restart consumes one of torchrun's ``--max-restarts``: give an elastic job enough of them
@@ -26,6 +29,7 @@ for the failures and departures it should survive.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -38,42 +42,61 @@ from elastic_ddp.prefork import agent_pid
 logger = logging.getLogger(__name__)
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-"""What gloo's transport says when the other end of a collective's connection has gone."""
+"""What gloo's transport says when the other end of a collective's connection has gone: only a fast path
+(:func:`peer_loss`); tests/unit/test_compat.py checks that gloo still says it."""
 
 
 def peer_loss(exc: BaseException) -> str | None:
-    """A one-line account of ``exc`` when it means a peer died during a collective (this rank is
-    healthy, the cause is in the peer's log), else None."""
+    """A one-line account of ``exc`` when gloo's own words say a peer died during a collective, else None.
+    A fast path only: what decides a lost peer is the control plane (:mod:`elastic_ddp.resilience.group`)."""
     text = str(exc)
     if isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_GONE):
         return f"a peer left during a collective ({text.splitlines()[0][:300]})"
     return None
 
 
-EXIT_CODES: dict[str, int] = {
-    "done": 0,
-    "preempted": 0,
-    "peer-lost": 75,
-    "hang": 76,
-    "divergence": 77,
-    "save-deadline": 78,
-    "error": 1,
+class ExitReason(str, enum.Enum):
+    """Why a worker exits (the table in this module's docstring); :attr:`status` is its exit status."""
+
+    DONE = "done"
+    PREEMPTED = "preempted"
+    PEER_LOST = "peer-lost"
+    HANG = "hang"
+    DIVERGENCE = "divergence"
+    SAVE_DEADLINE = "save-deadline"
+    CONFIG = "config"
+    ERROR = "error"
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+    def label(self, phase: str = "") -> str:
+        """The reason as the ``exit`` event and the log line write it: ``hang:<phase>`` for a hang in a phase."""
+        return f"{self.value}:{phase}" if phase else self.value
+
+
+_STATUS = {
+    ExitReason.DONE: 0,
+    ExitReason.PREEMPTED: 0,
+    ExitReason.PEER_LOST: 75,
+    ExitReason.HANG: 76,
+    ExitReason.DIVERGENCE: 77,
+    ExitReason.SAVE_DEADLINE: 78,
+    ExitReason.CONFIG: 2,
+    ExitReason.ERROR: 1,
 }
 
 
-def exit_code(reason: str) -> int:
-    """The status for a reason (``hang:<phase>`` maps like ``hang``)."""
-    return EXIT_CODES[reason.split(":", 1)[0]]
-
-
-def log_exit(reason: str, detail: str = "", events: EventLog | None = None, error: str = "") -> int:
+def log_exit(reason: ExitReason, detail: str = "", events: EventLog | None = None, error: str = "", phase: str = "") -> int:
     """Log the one line that says why this worker exits, and write its ``exit`` event (with ``error``, the
-    message of the error that ended it, logged before on its own line); return its exit status."""
-    code = exit_code(reason)
-    logger.log(logging.INFO if code == 0 else logging.ERROR, "exit: reason=%s status=%d%s", reason, code,
+    message of the error that ended it, logged before on its own line); return its exit status. ``phase``:
+    where a hang was seen."""
+    code, label = reason.status, reason.label(phase)
+    logger.log(logging.INFO if code == 0 else logging.ERROR, "exit: reason=%s status=%d%s", label, code,
                f" ({detail})" if detail else "")
     if events is not None:
-        events.emit(Event.EXIT, reason=reason, status=code, detail=detail, **({"error": error} if error else {}))
+        events.emit(Event.EXIT, reason=label, status=code, detail=detail, **({"error": error} if error else {}))
     return code
 
 

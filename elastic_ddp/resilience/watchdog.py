@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from elastic_ddp.events import Event, EventLog
-from elastic_ddp.resilience.exits import exit_code, log_exit, write_error_file
+from elastic_ddp.resilience.exits import ExitReason, log_exit, write_error_file
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,10 @@ class PhaseLimit:
     """How long a phase may last, and the exit reason when it lasts longer."""
 
     timeout_s: float
-    reason: str
+    reason: ExitReason
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", ExitReason(self.reason))  # "hang" is accepted for ExitReason.HANG
 
 
 class Watchdog:
@@ -98,17 +101,18 @@ class Watchdog:
                 return
 
     def _expire(self, phase: Phase, limit: PhaseLimit, stuck_s: float) -> None:
-        reason = limit.reason if limit.reason != "hang" else f"hang:{phase.value}"
+        where = phase.value if limit.reason is ExitReason.HANG else ""
+        label = limit.reason.label(where)
         message = f"no progress in phase {phase.value!r} for {stuck_s:.1f} s (limit {limit.timeout_s:g} s)"
         logger.error("watchdog: %s; dumping all thread stacks", message)
-        self.events.emit(Event.WATCHDOG_FIRED, phase=phase.value, reason=reason, stuck_s=round(stuck_s, 3),
+        self.events.emit(Event.WATCHDOG_FIRED, phase=phase.value, reason=label, stuck_s=round(stuck_s, 3),
                          limit_s=limit.timeout_s)
-        self._dump_stacks(reason, message)
-        write_error_file(reason, message)
-        log_exit(reason, message, self.events)
+        self._dump_stacks(label, message)
+        write_error_file(label, message)
+        log_exit(limit.reason, message, self.events, phase=where)
         for handler in logging.getLogger().handlers:
             handler.flush()
-        self.exit(exit_code(reason))
+        self.exit(limit.reason.status)
 
     def _dump_stacks(self, reason: str, message: str) -> None:
         sys.stderr.write(f"watchdog {reason}: {message}\n")

@@ -2,7 +2,8 @@
 
 ``plain.py`` beside it is the same loop without elastic_ddp; ``diff -u plain.py train.py`` shows
 every line the library path adds or changes: the global-cursor sampler instead of
-DistributedSampler, a Checkpointer instead of torch.save, a StepGuard asked once per step.
+DistributedSampler, and the runtime, entered around the loop and asked once per step, instead of
+torch.save.
 
 How to run:
   one node, 2 processes:  torchrun --standalone --nproc-per-node=2 examples/byo_loop/train.py --max-steps 100 \
@@ -29,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import Checkpointer, ElasticSampler, StepGuard, exit_status, open_events
+from elastic_ddp.loop import CheckpointConfig, ElasticSampler, Runtime, open_events
 
 
 @dataclass
@@ -48,6 +49,7 @@ class TrainingConfig:
     log_every: int = 20
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    replica_every: int = 1  # keep a replica of the state in node memory every N steps (0: off)
     log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) goes here
     lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
 
@@ -102,52 +104,45 @@ def main(argv: list[str] | None = None) -> int:
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler(device.type, enabled=config.use_amp and amp_dtype == torch.float16)
     dataset = Spirals(config.num_samples, config.seed)
-    assert config.batch_size >= world_size * config.grad_accum_steps, "every rank needs a share of every micro-step"
     sampler = ElasticSampler(len(dataset), global_batch_size=config.batch_size, seed=config.seed, rank=rank,
                              world_size=world_size, grad_accum_steps=config.grad_accum_steps)
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers)
     events = open_events(config.log_dir)
-    checkpointer = config.checkpoint_dir and Checkpointer(
-        config.checkpoint_dir, model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
+    runtime = Runtime.for_loop(
+        model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
         scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
+        checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
+                                    replica_every=config.replica_every),
         fingerprint={name: getattr(config, name) for name in ("seed", "batch_size", "num_samples", "hidden", "lr_decay_every")})
-    step = checkpointer.restore() if checkpointer else 0
-    if rank == 0 and step:
-        print(f"resumed at step {step}")
-    guard, decision = StepGuard(events=events), None
-    batches = iter(loader)
-    while step < config.max_steps:
-        plan = sampler.plan()
-        micro_batches = sampler.local_micro_batches(plan)
-        for index in range(len(micro_batches)):
-            inputs, targets, _ = next(batches)
-            inputs, targets = inputs.to(device), targets.to(device)
-            with nullcontext() if index == len(micro_batches) - 1 else ddp.no_sync():
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=config.use_amp):
-                    loss = F.cross_entropy(ddp(inputs).float(), targets, reduction="sum") * sampler.loss_scale(plan)
-                scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        sampler.commit(plan)
-        step += 1
-        if rank == 0 and step % config.log_every == 0:
-            mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
-            print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
-        decision = guard.after_step(step)
-        if decision.stop:
-            break
-        if checkpointer and config.checkpoint_every and step % config.checkpoint_every == 0:
-            checkpointer.save(step)
-    guard.close()
-    if checkpointer:
-        checkpointer.save(step, blocking=True)
-        checkpointer.close()
+    with runtime:
+        step = runtime.restore()
+        if rank == 0 and step:
+            print(f"resumed at step {step}")
+        batches = iter(loader)
+        while step < config.max_steps:
+            plan = sampler.plan()
+            micro_batches = sampler.local_micro_batches(plan)
+            for index in range(len(micro_batches)):
+                inputs, targets, _ = next(batches)
+                inputs, targets = inputs.to(device), targets.to(device)
+                with nullcontext() if index == len(micro_batches) - 1 else ddp.no_sync():
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=config.use_amp):
+                        loss = F.cross_entropy(ddp(inputs).float(), targets, reduction="sum") * sampler.loss_scale(plan)
+                    scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            sampler.commit(plan)
+            step += 1
+            if rank == 0 and step % config.log_every == 0:
+                mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
+                print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+            if runtime.after_step(step).stop:  # checkpoints, replicas and stops, every rank alike
+                break
     dist.destroy_process_group()
-    status = exit_status(decision, guard)
     events.close()
-    return status
+    return runtime.exit_status or 0
 
 
 if __name__ == "__main__":

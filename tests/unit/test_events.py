@@ -18,7 +18,7 @@ from elastic_ddp.checkpoint.storage import FileRecord, LocalStorage
 from elastic_ddp.errors import CheckpointError, NoValidCheckpointError
 from elastic_ddp.events import EVENTS_FILE, FIELDS, Event, EventLog, parse_events, read_events
 from elastic_ddp.resilience.agreement import StopAgreement
-from elastic_ddp.resilience.exits import log_exit
+from elastic_ddp.resilience.exits import ExitReason, log_exit
 from elastic_ddp.resilience.stop import StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from tests.unit.test_checkpoint_local import advance, make_state
@@ -225,7 +225,7 @@ def test_the_watchdog_records_its_expiry_and_the_exit(tmp_path: Path) -> None:
 
 def test_the_exit_event_carries_the_error_the_log_line_leaves_out(tmp_path: Path) -> None:
     events = EventLog(str(tmp_path), run_id="r", rank=1)
-    assert log_exit("error", events=events, error="checkpoint location s3://b/p is not usable") == 1
+    assert log_exit(ExitReason.ERROR, events=events, error="checkpoint location s3://b/p is not usable") == 1
     (exit_,) = events_of(tmp_path)
     assert (exit_["reason"], exit_["status"], exit_["error"]) == ("error", 1, "checkpoint location s3://b/p is not usable")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_ddp.resilience.consistency import disagreeing_ranks, parameter_digest
-from elastic_ddp.resilience.exits import EXIT_CODES, exit_code
+from elastic_ddp.resilience.exits import ExitReason
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 
 
@@ -99,7 +99,7 @@ def test_watchdog_dumps_stacks_and_exits_with_the_hang_status() -> None:
         "time.sleep(30)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert result.returncode == EXIT_CODES["hang"]
+    assert result.returncode == ExitReason.HANG.status
     assert "no progress in phase 'collective'" in result.stderr
     assert "Thread 0x" in result.stderr or "Current thread" in result.stderr
 
@@ -132,7 +132,7 @@ def test_watchdog_ends_a_stuck_phase_in_process_with_its_status() -> None:
         wait_for(lambda: exits, 10, "the watchdog to fire")
     finally:
         dog.close()
-    assert exits == [EXIT_CODES["hang"]]
+    assert exits == [ExitReason.HANG.status]
 
 
 def test_a_phase_name_that_is_not_a_phase_is_an_error_not_a_phase_without_a_limit() -> None:
@@ -146,9 +146,11 @@ def test_a_phase_name_that_is_not_a_phase_is_an_error_not_a_phase_without_a_limi
 
 
 def test_exit_codes_distinguish_restart_reasons() -> None:
-    assert exit_code("done") == exit_code("preempted") == 0
-    assert exit_code("hang:collective") == 76
-    assert len({exit_code(r) for r in ("peer-lost", "hang", "divergence", "save-deadline", "error")}) == 5
+    assert ExitReason.DONE.status == ExitReason.PREEMPTED.status == 0
+    assert ExitReason.HANG.status == 76 and ExitReason.HANG.label("collective") == "hang:collective"
+    assert ExitReason.CONFIG.status == 2
+    failures = [reason for reason in ExitReason if reason not in (ExitReason.DONE, ExitReason.PREEMPTED)]
+    assert len({reason.status for reason in failures}) == len(failures)
 
 
 def test_parameter_digest_sees_a_single_bit() -> None:

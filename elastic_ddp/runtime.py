@@ -1,0 +1,520 @@
+"""The runtime around a training step: one object, built in one place, behind both doors.
+
+:class:`Runtime` owns everything a worker needs besides the step itself: stop requests (signals, spot
+notices), the hang watchdog, the stop agreement, the group watch, checkpoints (manager and background
+saver), node-memory replicas, the rescue of a survivor's live state, and the exit status. The trainer
+(:class:`elastic_ddp.trainer.Trainer`) is a step engine on top of it; a hand-written loop uses it
+directly (the library path, ``examples/byo_loop/train.py``)::
+
+    with Runtime(state, checkpoint=CheckpointConfig(dir="/ckpt", every=20), events=events) as runtime:
+        step = runtime.restore()
+        while step < max_steps:
+            ...                                   # forward, backward, optimizer.step()
+            sampler.commit(plan)
+            step += 1
+            if runtime.after_step(step).stop:     # every rank stops at the same step
+                break
+    sys.exit(runtime.exit_status)
+
+Leaving the ``with`` block commits the final checkpoint (or, after an agreed stop, the emergency one),
+closes every part on every path, and sets :attr:`Runtime.exit_status` (docs/design.md, "Failure
+semantics"). An error that ends the loop is one log line and its status, not a traceback, when the
+runtime knows it: its own errors (1; a refused configuration 2), a lost peer (75). The rescue is
+attempted whatever ended the step: it keeps only a complete state of one step, so it is safe for any
+cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
+from elastic_ddp.checkpoint.replica import Replicas, default_root
+from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
+from elastic_ddp.data import ElasticSampler
+from elastic_ddp.distributed import LaunchEnv, cpu_group
+from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError
+from elastic_ddp.events import Event, EventLog
+from elastic_ddp.logs import main_only
+from elastic_ddp.resilience.agreement import Decision, StopAgreement
+from elastic_ddp.resilience.consistency import DivergenceError
+from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, write_error_file
+from elastic_ddp.resilience.group import GroupWatch
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
+from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
+from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
+from elastic_ddp.state import Stateful, TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
+
+logger = logging.getLogger(__name__)
+
+ABANDON_GRACE_S = 1.0
+"""The least time a step may go without progress once the agent stops the group, before it is abandoned
+(:mod:`elastic_ddp.resilience.group`); the runtime allows three typical steps when that is more."""
+
+TOLD_WAIT_S = 2.0
+"""How long a rank whose collective raised waits for its agent's word that the group is being stopped
+(then it exits ``peer-lost``; without the word, ``error``)."""
+
+
+def failure_reason(exc: BaseException) -> ExitReason | None:
+    """The exit reason of an error the runtime reports in one line; None: not the runtime's (a traceback)."""
+    if isinstance(exc, DivergenceError):
+        return ExitReason.DIVERGENCE
+    if isinstance(exc, ConfigError):
+        return ExitReason.CONFIG
+    if isinstance(exc, ElasticDDPError):
+        return ExitReason.ERROR
+    return None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Runtime:
+    """Checkpoints, replicas, rescue, stop agreement, watchdog and exit status of one worker.
+
+    Args:
+        state: what is saved and restored (model, optimizer, sampler, ... :class:`~elastic_ddp.state.TrainState`).
+        checkpoint: where and how often to checkpoint; no ``dir``: no checkpoints and no replicas.
+        resilience: signals, spot notices, watchdog limits, the agreement interval.
+        collective_timeout_s: the timeout of the runtime's own CPU process groups.
+        events: where the run's events go (resumed, committed, stop agreed, exit, ...).
+        rank_log_file: where the watchdog also writes the stacks of a hang.
+    """
+
+    def __init__(
+        self,
+        state: TrainState,
+        *,
+        checkpoint: CheckpointConfig | None = None,
+        resilience: ResilienceConfig | None = None,
+        collective_timeout_s: float = 600.0,
+        events: EventLog | None = None,
+        rank_log_file: str = "",
+    ) -> None:
+        self.state = state
+        self.checkpoint = checkpoint or CheckpointConfig()
+        self.resilience = resilience or ResilienceConfig()
+        problems = [f"{section}.{name}: {what}" for section, config in (("checkpoint", self.checkpoint),
+                                                                      ("resilience", self.resilience))
+                    for name, what in config.problems()]
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.collective_timeout_s = collective_timeout_s
+        self.events = events or EventLog.off()
+        self.rank_log_file = rank_log_file
+        self.rank, self.world_size = _world()
+        self.env = LaunchEnv.from_env()
+        self.log0 = main_only(logger, self.rank)
+        self.phase = StepPhase.BETWEEN
+        """Where the training thread is in its step (a rescue needs a complete state; set by hooks)."""
+        self.exit_status: int | None = None
+        """The process exit status, once the ``with`` block is left."""
+        self.stop_reason: ExitReason | None = None
+        """Why the loop stopped early (an agreed stop), if it did."""
+        self.checkpoints: CheckpointManager | None = None
+        self.background: AsyncCheckpointer | None = None
+        self.replicas: Replicas | None = None
+        self._hooks: list[Any] = []
+        self._rng_at_start = ""
+        self._restored = False
+        self._finished = False
+        self._done_reported = False
+        self._last_commit_step: int | None = None
+        self._last_commit_time = time.monotonic()
+        self._last_boundary = time.perf_counter()
+        self._typical_step_s = 0.0
+
+    @classmethod
+    def for_loop(
+        cls,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        scheduler: Stateful | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        state: Mapping[str, Stateful] | None = None,
+        fingerprint: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        checkpoint: CheckpointConfig | None = None,
+        resilience: ResilienceConfig | None = None,
+        collective_timeout_s: float = 600.0,
+        events: EventLog | None = None,
+    ) -> Runtime:
+        """The runtime of a hand-written loop (the library path): call on every rank after the process group
+        is formed, and enter it with ``with``. ``model``: the module itself, not its DDP wrapper.
+        ``fingerprint``: values a checkpoint must match to be resumed (model shape, data settings...), JSON.
+        ``seed``: RNG streams are derived from it when a resume changes the world size. ``state``: other
+        ``Stateful`` objects saved with the model (rank 0's copy)."""
+        train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
+                                 extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
+        return cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,
+                   events=events)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def __enter__(self) -> Runtime:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.control_group = cpu_group(self.world_size, self.collective_timeout_s, own=True)
+        """Checkpoint coordination: a background save's commit (its own thread) never interleaves with the
+        step's collectives, and object collectives work whatever the training backend is."""
+        self.agreement_group = cpu_group(self.world_size, self.collective_timeout_s, own=False)
+        """The stop agreement, replicas and the consistency check (training thread only), on the CPU."""
+        self.stop = StopRequests()
+        if self.resilience.handle_signals:
+            self.stop.install_signal_handlers()
+        self.spot_poller = (
+            SpotNoticePoller(self.resilience.spot_notice_url, self.resilience.spot_poll_interval_s, self.stop).start()
+            if self.resilience.spot_notice_url else None
+        )
+        self.watchdog = self._make_watchdog().start()
+        self.agreement = StopAgreement(
+            world_size=self.world_size, requests=self.stop, group=self.agreement_group,
+            interval_s=self.resilience.agreement_interval_s, watchdog=self.watchdog, events=self.events,
+        )
+        self.group_watch = (
+            GroupWatch(self.watchdog, self._abandon_grace, self._abandon).start() if self.resilience.handle_signals else None
+        )
+        self.checkpoints = self._make_checkpoint_manager()
+        if self.checkpoints is not None and self.checkpoint.async_save:
+            self.background = AsyncCheckpointer(self.checkpoints)
+        self.replicas = self._make_replicas()
+        self._track_step_phase()
+
+    def _make_watchdog(self) -> Watchdog:
+        resilience = self.resilience
+        step = PhaseLimit(resilience.watchdog_timeout_s, ExitReason.HANG)
+        return Watchdog(
+            {
+                Phase.DATA: step,
+                Phase.STEP: step,
+                Phase.COLLECTIVE: step,
+                Phase.EVAL: step,
+                Phase.CHECKPOINT: PhaseLimit(resilience.watchdog_checkpoint_timeout_s, ExitReason.HANG),
+                Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, ExitReason.SAVE_DEADLINE),
+            },
+            log_file=self.rank_log_file,
+            events=self.events,
+        )
+
+    def _make_checkpoint_manager(self) -> CheckpointManager | None:
+        if not self.checkpoint.dir:
+            return None
+        return CheckpointManager(
+            self.checkpoint.dir, rank=self.rank, world_size=self.world_size, run_id=self.env.run_id,
+            generation=self.env.restart_count, keep=self.checkpoint.keep, storage_options=storage_options(self.checkpoint),
+            group=self.control_group, probe=True, events=self.events,
+        )
+
+    def _make_replicas(self) -> Replicas | None:
+        checkpoint, env = self.checkpoint, self.env
+        if self.checkpoints is None or not checkpoint.replica_every:
+            return None
+        return Replicas(
+            checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.rank,
+            world_size=self.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
+            token=self.checkpoints.token, every=checkpoint.replica_every, budget=checkpoint.replica_budget,
+            generation=env.restart_count, group=self.agreement_group, events=self.events,
+        )
+
+    def _track_step_phase(self) -> None:
+        """A training forward begins the step's forward phase, the optimizer's step its update phase; the
+        step boundary (:meth:`agree`) ends the step. Hooks, so that a hand-written loop is tracked too."""
+
+        def forward_begins(module: torch.nn.Module, args: Any) -> None:
+            if module.training and torch.is_grad_enabled() and self.phase is StepPhase.BETWEEN:
+                self.phase = StepPhase.FORWARD
+
+        def update_begins(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.phase = StepPhase.UPDATE
+
+        self._hooks = [self.state.model.register_forward_pre_hook(forward_begins),
+                       self.state.optimizer.register_step_pre_hook(update_begins)]
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        try:
+            if exc is None:
+                self.finish()
+                if self.stop_reason is None and not self._done_reported:
+                    self.report_done()
+                self.exit_status = log_exit(self.stop_reason or ExitReason.DONE, self.stop.reason or "", self.events)
+                leave_job(self.stop.reason)
+                return False
+            if not isinstance(exc, Exception):
+                return False
+            return self._ended_by(exc)
+        finally:
+            self.close()
+
+    def _ended_by(self, exc: Exception) -> bool:
+        """Handle an error that left the ``with`` block: keep the live state when it is complete, log one line
+        and set the exit status; False for an error that is not the runtime's (it propagates)."""
+        self.watchdog.enter(Phase.IDLE)
+        if self._restored:
+            self.rescue()
+        reason = failure_reason(exc)
+        detail = str(exc)
+        if reason is None and isinstance(exc, RuntimeError):
+            told = self.group_watch is not None and self.group_watch.told(TOLD_WAIT_S)
+            fast = peer_loss(exc)
+            if told or fast:
+                reason = ExitReason.PEER_LOST
+                detail = fast or f"a collective failed and {self.group_watch.why if self.group_watch else ''}"
+        if reason is None:
+            self.events.emit(Event.EXIT, reason=ExitReason.ERROR.value, status=ExitReason.ERROR.status, detail="",
+                             error=f"{type(exc).__name__}: {exc}")
+            return False
+        logger.error("%s", detail)
+        logger.debug("the error that ended the loop", exc_info=exc)
+        write_error_file(reason.value, detail)
+        if reason is ExitReason.PEER_LOST:
+            self.exit_status = log_exit(reason, detail, self.events)
+        else:
+            self.exit_status = log_exit(reason, events=self.events, error=detail)
+        return True
+
+    def close(self) -> None:
+        """Finish the save in flight and stop every part; safe on every path (also after a failed start)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.enter(Phase.CHECKPOINT)  # a save still in flight is waited for under that phase's limit
+        try:
+            if self.background is not None:
+                self.background.close()
+            if self.replicas is not None:
+                self.replicas.close()
+            if self.checkpoints is not None:
+                self.checkpoints.wait_for_retention()
+        finally:
+            for part in (getattr(self, "group_watch", None), watchdog, getattr(self, "spot_poller", None)):
+                if part is not None:
+                    part.close()
+            if getattr(self, "stop", None) is not None:
+                self.stop.restore_signal_handlers()
+            self.background = self.replicas = self.checkpoints = None
+
+    # -- resume ------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Resume from the newest valid replica or checkpoint, or start fresh; the step to continue from.
+
+        Runs under the checkpoint phase's watchdog limit. Writes ``resumed`` or ``started_fresh``.
+
+        Raises:
+            NoValidCheckpointError: checkpoints exist but none verifies (and fresh starts are not allowed).
+            IncompatibleCheckpointError: the fingerprint or the model's parameters differ.
+        """
+        self.watchdog.enter(Phase.CHECKPOINT)
+        restored = None
+        if self.checkpoints is not None and self.checkpoint.resume:
+            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.checkpoint.allow_fresh_start,
+                                                replicas=self.replicas)
+        else:
+            if self.checkpoints is not None:
+                self.checkpoints.refuse_if_committed()
+            self.events.emit(Event.STARTED_FRESH, world_size=self.world_size,
+                             reason="no-checkpoint-dir" if self.checkpoints is None else "resume-disabled")
+        if restored is None:
+            seed_rng_streams(derive_rng_seed(self.state.seed, 0, self.rank))
+            self.log0.info("starting fresh at step 0 (world size %d)", self.world_size)
+        else:
+            position = self.state.sampler.position
+            self.log0.info(
+                "resumed from %s%s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
+                "the replica in " if restored.source == "replica" else "", restored.path, restored.step, position.epoch,
+                position.cursor, restored.world_size, self.world_size,
+                "" if restored.rank_state_reused else "; RNG streams re-derived",
+            )
+        step = self.state.counters.step
+        self._last_commit_step = step
+        self._last_commit_time = time.monotonic()
+        self._restored = True
+        self.events.set_step(step)
+        self.begin()
+        return step
+
+    def begin(self) -> None:
+        """Mark the start of training (after the script built what draws on the RNG, such as a DataLoader's
+        workers): the rescue needs the RNG streams unmoved since here."""
+        self._rng_at_start = rng_digest()
+        self._last_boundary = time.perf_counter()
+        self.watchdog.enter(Phase.STEP)
+
+    # -- the step boundary ---------------------------------------------------------
+
+    def after_step(self, step: int) -> Decision:
+        """Call at the end of every step, on every rank, with the number of steps done. Agrees on stops,
+        commits the checkpoint or replica that is due; ``Decision.stop`` set: leave the loop now."""
+        now = time.perf_counter()
+        self.state.counters.step = step
+        decision = self.agree(now - self._last_boundary)
+        if not decision.stop:
+            self.save_if_due(decision.save_due)
+        self._last_boundary = time.perf_counter()
+        return decision
+
+    def agree(self, step_time: float) -> Decision:
+        """The decision every rank shares at this step boundary (the step counter already moved on).
+
+        Raises:
+            CheckpointError: a background save failed on some rank (every rank raises at this step).
+        """
+        self.phase = StepPhase.BETWEEN
+        step = self.state.counters.step
+        self.events.set_step(step)
+        self._typical_step_s = step_time if not self._typical_step_s else 0.9 * self._typical_step_s + 0.1 * step_time
+        every_s = self.checkpoint.every_seconds
+        time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
+        failed = self.background is not None and self.background.failed()
+        decision = self.agreement.after_step(step, step_time, time_due, failed)
+        if decision.save_failed:
+            self._raise_agreed_save_failure()
+        if decision.stop:
+            self.stop_reason = decision.stop
+        return decision
+
+    def _raise_agreed_save_failure(self) -> None:
+        """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
+        own outcome if it is still in flight)."""
+        assert self.background is not None
+        self.watchdog.enter(Phase.CHECKPOINT)
+        self.background.wait()  # raises the failure, which every rank's committer learned
+        raise CheckpointError(f"rank {self.rank}: a background checkpoint save failed on another rank")
+
+    def save_if_due(self, save_due: bool = False) -> None:
+        """Commit the checkpoint (every ``checkpoint.every`` steps, or agreed due by time) and the replica due now."""
+        step = self.state.counters.step
+        every = self.checkpoint.every
+        if self.checkpoints is not None and (save_due or (every and step % every == 0)):
+            self.save()
+        if self.replicas is not None and self.replicas.due(step):
+            self.watchdog.enter(Phase.COLLECTIVE)
+            self.replicas.save(self.state)
+        self.watchdog.enter(Phase.STEP)
+
+    def save(self, blocking: bool = False) -> None:
+        """Commit a checkpoint of the current step: staged now and committed in the background unless ``blocking``."""
+        if self.checkpoints is None or self._last_commit_step == self.state.counters.step:
+            return
+        self.watchdog.enter(Phase.CHECKPOINT)
+        step = self.state.counters.step
+        if self.background is not None and not blocking:
+            blocked = self.background.save(self.state)
+            self.log0.info("checkpoint of step %d captured in %.3f s; parameters and optimizer state are copied during "
+                           "the next step, then committed in the background", step, blocked)
+        else:
+            started = time.perf_counter()
+            if self.background is not None:
+                self.background.wait()
+            self.checkpoints.save(self.state)
+            self.log0.info("checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
+        self._last_commit_step = step
+        self._last_commit_time = time.monotonic()
+
+    # -- the end -------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Commit the last checkpoint: after an agreed stop within the save deadline, else the final one
+        (``checkpoint.save_final``); then nothing resumes from node memory. Once; the ``with`` block's end calls it."""
+        if self._finished:
+            return
+        self._finished = True
+        self.agreement.settle()
+        step = self.state.counters.step
+        if self.stop_reason is not None:
+            self.log0.warning("stop agreed at step %d (%s%s)", step, self.stop_reason.value,
+                              f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
+            if self.checkpoints is not None:
+                self.watchdog.enter(Phase.EMERGENCY_SAVE)
+                started = time.perf_counter()
+                if self.background is not None:
+                    self.background.wait()
+                if self._last_commit_step != step:
+                    self.checkpoints.save(self.state)
+                    self._last_commit_step = step
+                self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
+        elif self.checkpoints is not None:
+            self.watchdog.enter(Phase.CHECKPOINT)
+            if self.background is not None:
+                self.background.wait()
+            if self.checkpoint.save_final:
+                self.save(blocking=True)
+                if self.replicas is not None:
+                    self.replicas.discard()  # the final state is committed: nothing will resume from node memory
+        self.watchdog.enter(Phase.IDLE)
+
+    def report_done(self, loss: float | None = None, accuracy: float | None = None,
+                    metrics: Mapping[str, float] | None = None) -> None:
+        """Write the ``done`` event: the run reached its end, with the digests a verifier compares."""
+        self._done_reported = True
+        self.events.emit(Event.DONE, step=self.state.counters.step, epoch=self.state.sampler.position.epoch,
+                         model_digest=model_digest(self.state.model.state_dict()), data_digest=self.state.sampler.data_digest,
+                         loss=loss, accuracy=accuracy, metrics=dict(metrics or {}))
+
+    # -- a lost peer ---------------------------------------------------------------
+
+    def rescue(self) -> None:
+        """Keep this rank's live state in node memory for the restart, when it is a complete state of its step
+        (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
+        if self.replicas is None:
+            return
+        step = self.state.counters.step
+        device = next((p.device for p in self.state.model.parameters()), torch.device("cpu"))
+        reason = why_not_kept(LiveState(
+            phase=self.phase,
+            forward_changes_state=has_persistent_buffers(self.state.model) or bool(self.state.extra),
+            sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
+            rng_used=self._rng_at_start != rng_digest(),
+            device_busy=device.type == "cuda" and not torch.cuda.current_stream(device).query(),
+        ))
+        if reason is not None:
+            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.rank, step, reason)
+            return
+        self.watchdog.enter(Phase.EMERGENCY_SAVE)
+        started = time.perf_counter()
+        try:
+            path = self.replicas.rescue(self.state)
+        except (OSError, RuntimeError, ValueError) as exc:
+            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", self.rank, step, exc)
+            return
+        if path is not None:
+            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", self.rank, step, path,
+                        time.perf_counter() - started)
+
+    def _abandon_grace(self) -> float:
+        return max(ABANDON_GRACE_S, 3 * self._typical_step_s)
+
+    def _abandon(self, why: str) -> None:
+        """The group watch's verdict: the step cannot finish. Rescue, then end the process as ``peer-lost``
+        (on the watch's thread: the training thread waits in a collective that will not return)."""
+        self.rescue()
+        message = f"a peer is gone: {why}"
+        write_error_file(ExitReason.PEER_LOST.value, message)
+        log_exit(ExitReason.PEER_LOST, message, self.events)
+        self.events.close()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(ExitReason.PEER_LOST.status)
