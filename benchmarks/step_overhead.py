@@ -289,7 +289,7 @@ def lm_training_parts(config, model):
     import torch
     from gpt import parameter_groups
 
-    from elastic_ddp.trainer import lr_multiplier
+    from elastic_ddp.parts import lr_multiplier
 
     optim = config.optim
     optimizer = torch.optim.AdamW(parameter_groups(model, optim.weight_decay), lr=optim.lr,

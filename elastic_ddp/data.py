@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastic_ddp.errors import DataError
+from elastic_ddp.errors import ConfigError, DataError
 
 _EPOCH_SEED_STRIDE = 1_000_003  # a prime: (seed, epoch) pairs map to distinct generator seeds
 
@@ -132,6 +132,11 @@ class ElasticSampler:
             raise DataError(f"rank {rank} is not in a world of size {world_size}")
         if global_batch_size < 1 or grad_accum_steps < 1:
             raise DataError("global_batch_size and grad_accum_steps must be >= 1")
+        if global_batch_size < world_size:
+            raise ConfigError(
+                f"global_batch_size {global_batch_size} is smaller than the world size {world_size}: every rank needs "
+                "at least one sample per step; raise the global batch size or run fewer ranks"
+            )
         if dataset_len < 1:
             raise DataError("the dataset is empty")
         if drop_last and dataset_len < global_batch_size:

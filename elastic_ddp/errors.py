@@ -47,3 +47,8 @@ class NoValidCheckpointError(CheckpointError):
 
 class IncompatibleCheckpointError(CheckpointError):
     """A checkpoint was made with a config that cannot be resumed by this run."""
+
+
+class UsageError(ElasticDDPError):
+    """The runtime was called out of order (a save before the restore), or a step broke the contract of the
+    loop around it (a step whose data position did not move: a forgotten ``sampler.commit``)."""

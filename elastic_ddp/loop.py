@@ -26,7 +26,10 @@ in the seed pipeline's own loop):
       sys.exit(runtime.exit_status)
 
 Run the script under ``torchrun`` (any rendezvous backend, ``etcd-v3`` included). Give the runtime an
-:func:`open_events` log to have the run's events in ``<log_dir>/events.jsonl``.
+:func:`open_events` log to have the run's events in ``<log_dir>/events.jsonl``. Decorate ``main`` with
+:func:`entrypoint`: a mistake the runtime refuses before the ``with`` block (a global batch smaller than
+the world, a fingerprint that is not JSON, an object without ``load_state_dict``) then ends in one line
+and its status, as the ones inside it do.
 """
 
 from __future__ import annotations
@@ -38,11 +41,11 @@ from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv
 from elastic_ddp.events import EventLog
 from elastic_ddp.resilience.agreement import Decision
-from elastic_ddp.runtime import Runtime
+from elastic_ddp.runtime import Runtime, entrypoint
 from elastic_ddp.state import model_digest
 
-__all__ = ["CheckpointConfig", "Decision", "ElasticSampler", "EventLog", "ResilienceConfig", "Runtime", "model_digest",
-           "open_events"]
+__all__ = ["CheckpointConfig", "Decision", "ElasticSampler", "EventLog", "ResilienceConfig", "Runtime", "entrypoint",
+           "model_digest", "open_events"]
 
 
 def open_events(log_dir: str) -> EventLog:

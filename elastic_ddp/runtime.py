@@ -26,15 +26,17 @@ cause.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, ParamSpec, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
@@ -42,7 +44,7 @@ from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv, cpu_group
-from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError
+from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
@@ -55,6 +57,7 @@ from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import Stateful, TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
 
 ABANDON_GRACE_S = 1.0
 """The least time a step may go without progress once the agent stops the group, before it is abandoned
@@ -74,6 +77,24 @@ def failure_reason(exc: BaseException) -> ExitReason | None:
     if isinstance(exc, ElasticDDPError):
         return ExitReason.ERROR
     return None
+
+
+def entrypoint(main: Callable[P, int | None]) -> Callable[P, int]:
+    """Decorate a library-path script's ``main``: an error of the runtime's own that escapes it (a refused
+    configuration: 2; others: 1) ends in one log line and its status instead of a traceback. Any other error
+    is recorded in torchrun's error file and raised, as torch's ``@record`` does."""
+
+    def run_main(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            return main(*args, **kwargs) or 0
+        except ElasticDDPError as exc:
+            reason = failure_reason(exc) or ExitReason.ERROR
+            logger.error("%s", exc)
+            write_error_file(reason.value, str(exc))
+            return reason.status
+
+    recorded = cast(Callable[P, int], record(run_main))  # record returns what run_main returns
+    return functools.wraps(main)(recorded)
 
 
 def _world() -> tuple[int, int]:
@@ -133,6 +154,8 @@ class Runtime:
         self._finished = False
         self._done_reported = False
         self._last_commit_step: int | None = None
+        self._boundary: tuple[int, int] = (0, 0)
+        """(step, samples the sampler committed) at the last step boundary: a step that consumed nothing is refused."""
         self._last_commit_time = time.monotonic()
         self._last_boundary = time.perf_counter()
         self._typical_step_s = 0.0
@@ -352,6 +375,7 @@ class Runtime:
         self._last_commit_step = step
         self._last_commit_time = time.monotonic()
         self._restored = True
+        self._boundary = (step, self.state.sampler.samples_seen)
         self.events.set_step(step)
         self.begin()
         return step
@@ -382,8 +406,10 @@ class Runtime:
         Raises:
             CheckpointError: a background save failed on some rank (every rank raises at this step).
         """
+        self._require_restored("after_step")
         self.phase = StepPhase.BETWEEN
         step = self.state.counters.step
+        self._check_data_moved(step)
         self.events.set_step(step)
         self._typical_step_s = step_time if not self._typical_step_s else 0.9 * self._typical_step_s + 0.1 * step_time
         every_s = self.checkpoint.every_seconds
@@ -395,6 +421,22 @@ class Runtime:
         if decision.stop:
             self.stop_reason = decision.stop
         return decision
+
+    def _require_restored(self, call: str) -> None:
+        if not hasattr(self, "agreement"):
+            raise UsageError(f"runtime.{call}() outside the runtime: enter it first (with runtime: ...)")
+        if not self._restored:
+            raise UsageError(f"runtime.{call}() before runtime.restore(): restore (or start fresh) first, then train")
+
+    def _check_data_moved(self, step: int) -> None:
+        """Refuse a step that consumed no data: its checkpoint would record a position that a resume replays."""
+        last_step, last_samples = self._boundary
+        samples = self.state.sampler.samples_seen
+        if step > last_step and samples == last_samples:
+            raise UsageError(f"step {step}: the sampler's position has not moved since step {last_step}: call "
+                             "sampler.commit(plan) after each optimizer step, or a resume would replay data already "
+                             "trained on")
+        self._boundary = (step, samples)
 
     def _raise_agreed_save_failure(self) -> None:
         """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
@@ -417,6 +459,7 @@ class Runtime:
 
     def save(self, blocking: bool = False) -> None:
         """Commit a checkpoint of the current step: staged now and committed in the background unless ``blocking``."""
+        self._require_restored("save")
         if self.checkpoints is None or self._last_commit_step == self.state.counters.step:
             return
         self.watchdog.enter(Phase.CHECKPOINT)
@@ -439,7 +482,7 @@ class Runtime:
     def finish(self) -> None:
         """Commit the last checkpoint: after an agreed stop within the save deadline, else the final one
         (``checkpoint.save_final``); then nothing resumes from node memory. Once; the ``with`` block's end calls it."""
-        if self._finished:
+        if self._finished or not self._restored:  # nothing trained: nothing to commit
             return
         self._finished = True
         self.agreement.settle()

@@ -23,6 +23,7 @@ size, and a resume onto another world size is refused with an error saying so.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import sys
 from collections.abc import Mapping
@@ -33,7 +34,7 @@ import torch
 
 from elastic_ddp.config import fingerprint_mismatches
 from elastic_ddp.data import DataPosition, ElasticSampler
-from elastic_ddp.errors import IncompatibleCheckpointError
+from elastic_ddp.errors import ConfigError, IncompatibleCheckpointError
 
 _RNG_STEP_STRIDE = 10_007
 _RNG_RANK_STRIDE = 1_000_003
@@ -91,6 +92,8 @@ class TrainState:
         extra: Mapping[str, Stateful] | None = None,
         rank_extra: Mapping[str, Stateful] | None = None,
     ) -> None:
+        _check_parts(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler)
+        _check_json(fingerprint)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -98,8 +101,8 @@ class TrainState:
         self.sampler = sampler
         self.fingerprint = fingerprint
         self.seed = seed
-        self.extra = _named(extra, _REPLICATED_NAMES, "extra")
-        self.rank_extra = _named(rank_extra, _RANK_NAMES, "rank_extra")
+        self.extra = _named(extra, _REPLICATED_NAMES, "state")
+        self.rank_extra = _named(rank_extra, _RANK_NAMES, "rank_state")
         self.counters = Counters()
         self.annotations: dict[str, Any] = {}
         """JSON values recorded in every checkpoint's meta beside the position (e.g. the LR horizon)."""
@@ -224,10 +227,38 @@ def _named(objects: Mapping[str, Stateful] | None, reserved: frozenset[str], wha
     objects = dict(objects or {})
     for name, obj in objects.items():
         if name in reserved or not name.isidentifier():
-            raise ValueError(f"{what}: {name!r} is not a usable name (reserved: {', '.join(sorted(reserved))})")
-        if not isinstance(obj, Stateful):
-            raise TypeError(f"{what}[{name!r}] has no state_dict()/load_state_dict()")
+            raise ConfigError(f"{what}: {name!r} is not a usable name (reserved: {', '.join(sorted(reserved))})")
+        missing = [method for method in ("state_dict", "load_state_dict") if not callable(getattr(obj, method, None))]
+        if missing:
+            raise ConfigError(f"{what}[{name!r}] (a {type(obj).__name__}) has no {'/'.join(m + '()' for m in missing)}: "
+                              "objects saved with the model need state_dict() and load_state_dict()")
     return objects
+
+
+def _check_parts(**parts: Any) -> None:
+    """The objects a state binds are of the kinds it saves (a factory that returned the wrong thing is named)."""
+    kinds: dict[str, tuple[type, ...]] = {
+        "model": (torch.nn.Module,), "optimizer": (torch.optim.Optimizer,), "sampler": (ElasticSampler,),
+        "scaler": (torch.amp.GradScaler, type(None)),
+    }
+    for name, kind in kinds.items():
+        if not isinstance(parts[name], kind):
+            raise ConfigError(f"{name} is a {type(parts[name]).__name__}, not a {' or '.join(k.__name__ for k in kind)}")
+    scheduler = parts["scheduler"]
+    if scheduler is not None and not isinstance(scheduler, Stateful):
+        raise ConfigError(f"scheduler is a {type(scheduler).__name__}, without state_dict()/load_state_dict()")
+
+
+def _check_json(fingerprint: Mapping[str, Any]) -> None:
+    """The fingerprint goes into every checkpoint's manifest: refuse at the start what could not be written there."""
+    if not isinstance(fingerprint, Mapping):
+        raise ConfigError(f"fingerprint is a {type(fingerprint).__name__}, not a mapping of names to JSON values")
+    for name, value in fingerprint.items():
+        try:
+            json.dumps({str(name): value}, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"fingerprint[{name!r}] = {value!r} is not JSON ({exc}): use str, int, float, bool, "
+                              "None, or lists and dicts of them") from None
 
 
 def _step_of(meta: Mapping[str, Any]) -> int:

@@ -18,9 +18,7 @@ optimizer, schedule, loss, evaluation and extra state are the script's (:class:`
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -36,23 +34,20 @@ from torch.utils.data import DataLoader, default_collate
 from elastic_ddp._torch_compat import foreach_div_
 from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
 from elastic_ddp.collection import StepCollection
-from elastic_ddp.config import BUILD_PREFIX, TrainConfig, fingerprint
-from elastic_ddp.data import ElasticSampler, StepPlan
+from elastic_ddp.config import TrainConfig
+from elastic_ddp.data import StepPlan
 from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import DataError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
+from elastic_ddp.parts import LR_HORIZON_KEY, check_losses, make_parts
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.watchdog import Phase
 from elastic_ddp.runtime import Runtime
-from elastic_ddp.state import TrainState, derive_rng_seed, model_digest
+from elastic_ddp.state import derive_rng_seed, model_digest
 
 logger = logging.getLogger(__name__)
-
-LR_HORIZON_KEY = "lr_horizon"
-"""Meta entry recording the step at which the runtime's LR decay reaches its floor."""
-
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -68,28 +63,6 @@ class TrainResult:
     """What asked this rank to stop (signal:SIGTERM, spot-notice), when it was asked."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The final evaluation's metrics (rank 0)."""
-
-
-def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
-    """Learning-rate factor at ``step``: linear warmup, then constant, cosine or linear decay to ``min_ratio``."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or decay_steps <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (decay_steps - warmup))
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - (1.0 - min_ratio) * progress
-
-
-def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The same optimizer (class, defaults, param groups) with its state sharded over the ranks."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
-
-    groups = [dict(group) for group in optimizer.param_groups]
-    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ does not take
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
 
 
 class Trainer:
@@ -118,34 +91,9 @@ class Trainer:
         self.log_context = log_context
         self.events = events or EventLog.off()
         self.log0 = main_only(logger, context.rank)
-        self.model = built.model.to(self.device)
-        self.optimizer = self._make_optimizer(built)
-        self.scheduler = self._make_scheduler(built)
-        use_scaler = config.use_amp and config.amp_dtype == "float16"
-        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
-        self.sampler = ElasticSampler(
-            len(self.train_data),  # type: ignore[arg-type]
-            global_batch_size=config.global_batch_size,
-            seed=config.seed,
-            rank=context.rank,
-            world_size=context.world_size,
-            grad_accum_steps=config.grad_accum_steps,
-            shuffle=config.loader.shuffle,
-            drop_last=config.loader.drop_last,
-        )
-        self.state = TrainState(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            sampler=self.sampler,
-            fingerprint={**fingerprint(config), **{BUILD_PREFIX + k: v for k, v in built.fingerprint.items()}},
-            seed=config.seed,
-            extra=built.state,
-            rank_extra=built.rank_state,
-        )
-        if built.scheduler is None:  # the runtime's schedule: its horizon is recorded with each checkpoint
-            self.state.annotations[LR_HORIZON_KEY] = config.decay_steps
+        parts = make_parts(config, built, self.device, context.rank, context.world_size)
+        self.model, self.optimizer, self.scheduler, self.scaler = parts.model, parts.optimizer, parts.scheduler, parts.scaler
+        self.sampler, self.state = parts.sampler, parts.state
         amp_dtype = getattr(torch, config.amp_dtype)
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
@@ -154,6 +102,7 @@ class Trainer:
                                      events=self.events)
         """Opened before the runtime restores: its ``resumed`` or ``started_fresh`` event is a TensorBoard marker."""
         self._empty_batch: Any = None
+        self._loss_checked = False
         self._last_eval: tuple[int, dict[str, float]] | None = None
         """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
 
@@ -167,39 +116,6 @@ class Trainer:
         )
 
     # -- setup -------------------------------------------------------------------
-
-    def _make_optimizer(self, built: Built) -> torch.optim.Optimizer:
-        optim = self.config.optim
-        if built.optimizer is not None:
-            optimizer = built.optimizer(self.model)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"the script's optimizer factory returned {type(optimizer).__name__}, not a torch.optim.Optimizer"
-                )
-        else:
-            optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                weight_decay=optim.weight_decay,
-            )
-        return shard_optimizer(optimizer) if optim.zero else optimizer
-
-    def _make_scheduler(self, built: Built) -> Any:
-        if built.scheduler is None:
-            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
-        scheduler = built.scheduler(self.optimizer)
-        if all(callable(getattr(scheduler, name, None)) for name in ("step", "state_dict", "load_state_dict")):
-            return scheduler
-        if callable(scheduler):
-            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, scheduler)
-        raise TypeError(f"the script's scheduler factory returned {type(scheduler).__name__}: "
-                        "expected an LR scheduler or a step -> multiplier callable")
-
-    def _lr_lambda(self, step: int) -> float:
-        optim = self.config.optim
-        return lr_multiplier(
-            step, warmup=optim.warmup_steps, decay_steps=self.config.decay_steps,
-            schedule=optim.schedule, min_ratio=optim.min_lr_ratio,
-        )
 
     def _check_lr_horizon(self) -> None:
         """Warn when the LR schedule's horizon differs from the one the checkpoint was trained with."""
@@ -348,6 +264,9 @@ class Trainer:
                 with self._autocast():
                     outputs = self.ddp(inputs)
                     losses = self.loss_fn(outputs, targets)
+                if not self._loss_checked and micro_batches:
+                    check_losses(losses, len(micro_batches[index]))
+                    self._loss_checked = True
                 if isinstance(losses, WeightedLoss):
                     weight_units = torch.as_tensor(losses.weight, dtype=torch.float64, device=self.device)
                     units = weight_units if units is None else units + weight_units

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import CheckpointConfig, ElasticSampler, Runtime, open_events
+from elastic_ddp.loop import CheckpointConfig, ElasticSampler, Runtime, entrypoint, open_events
 
 
 @dataclass
@@ -90,6 +90,7 @@ def build_model(config: TrainingConfig) -> nn.Module:
     )
 
 
+@entrypoint
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")

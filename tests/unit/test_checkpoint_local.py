@@ -303,7 +303,7 @@ def test_sharded_optimizer_resume_continues_bitwise(tmp_path: Path) -> None:
 def test_any_optimizer_is_sharded_with_its_class_defaults_and_param_groups(make) -> None:
     import torch.distributed as dist
 
-    from elastic_ddp.trainer import shard_optimizer
+    from elastic_ddp.parts import shard_optimizer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -1,0 +1,160 @@
+"""The training parts a config and a script's :class:`~elastic_ddp.build.Built` make, each checked as it is made.
+
+The optimizer (the script's factory, or AdamW from ``--optim-*``; sharded with ``--optim-zero``), the LR
+schedule (the script's, or warmup then constant, cosine or linear decay), the grad scaler, the
+global-cursor sampler, and the :class:`~elastic_ddp.state.TrainState` that binds them for checkpoints.
+A factory that returns the wrong kind of object, training items without targets, or a loss that is not
+one value per sample is refused here, in one line naming the fix (:class:`~elastic_ddp.errors.ConfigError`),
+before the step that would train on it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from elastic_ddp.build import Built, WeightedLoss
+from elastic_ddp.config import BUILD_PREFIX, OptimConfig, TrainConfig, fingerprint
+from elastic_ddp.data import ElasticSampler
+from elastic_ddp.errors import ConfigError
+from elastic_ddp.state import TrainState
+
+LR_HORIZON_KEY = "lr_horizon"
+"""Meta entry recording the step at which the runtime's LR decay reaches its floor."""
+
+
+def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, min_ratio: float) -> float:
+    """Learning-rate factor at ``step``: linear warmup, then constant, cosine or linear decay to ``min_ratio``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or decay_steps <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (decay_steps - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1.0 - min_ratio) * progress
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The same optimizer (class, defaults, param groups) with its state sharded over the ranks."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
+
+    groups = [dict(group) for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ does not take
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+
+
+def make_optimizer(built: Built, model: torch.nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    if built.optimizer is not None:
+        optimizer = built.optimizer(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"Built.optimizer returned a {type(optimizer).__name__}, not a torch.optim.Optimizer: "
+                              "the factory must return the optimizer it builds over the model's parameters")
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                      weight_decay=optim.weight_decay)
+    return shard_optimizer(optimizer) if optim.zero else optimizer
+
+
+def _is_scheduler(candidate: Any) -> bool:
+    return all(callable(getattr(candidate, name, None)) for name in ("step", "state_dict", "load_state_dict"))
+
+
+def make_scheduler(built: Built, optimizer: torch.optim.Optimizer, config: TrainConfig) -> Any:
+    """The script's schedule: ``optimizer -> LR scheduler``, ``optimizer -> (step -> multiplier)``, or a plain
+    ``step -> multiplier``; the runtime's from ``--optim-*`` when there is none. Multipliers go into ``LambdaLR``."""
+    if built.scheduler is None:
+        optim = config.optim
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
+            step, warmup=optim.warmup_steps, decay_steps=config.decay_steps, schedule=optim.schedule,
+            min_ratio=optim.min_lr_ratio))
+    try:
+        made: Any = built.scheduler(optimizer)
+    except TypeError:
+        if _multiplier_at_step_0(built.scheduler):  # a plain step -> multiplier: arithmetic on the optimizer fails
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, built.scheduler)  # type: ignore[arg-type]
+        raise
+    if _is_scheduler(made):
+        return made
+    if callable(made):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, made)
+    raise ConfigError(f"Built.scheduler returned a {type(made).__name__} when called with the optimizer: give an "
+                      "optimizer -> LR scheduler factory, or a step -> multiplier function")
+
+
+def _multiplier_at_step_0(candidate: Callable[..., Any]) -> bool:
+    try:
+        value = candidate(0)
+    except Exception:  # noqa: BLE001 - not a multiplier, whatever it raised
+        return False
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def check_items(data: Dataset) -> None:
+    """Refuse training data whose items are not ``(inputs, targets)`` or ``(inputs, targets, sample_id)``."""
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        raise ConfigError(f"Built.train_data is a {type(data).__name__}: a map-style dataset (__len__ and "
+                          "__getitem__) is needed for the global cursor")
+    if len(data) == 0:
+        return  # the sampler names an empty dataset
+    item = data[0]
+    if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+        kind = type(item).__name__ if not isinstance(item, (tuple, list)) else f"{type(item).__name__} of {len(item)}"
+        raise ConfigError(f"Built.train_data's items must be (inputs, targets) or (inputs, targets, sample_id); "
+                          f"item 0 is a {kind}")
+
+
+def check_losses(losses: Any, samples: int) -> None:
+    """Refuse a loss that is not one value per sample of the micro-batch (nor a :class:`WeightedLoss`)."""
+    if isinstance(losses, WeightedLoss):
+        return
+    if not isinstance(losses, torch.Tensor):
+        raise ConfigError(f"Built.loss_fn returned a {type(losses).__name__}: return per-sample losses "
+                          '(reduction="none") or a WeightedLoss(mean, weight)')
+    if losses.dim() == 0:
+        raise ConfigError(f"Built.loss_fn returned a scalar for a micro-batch of {samples} samples: return per-sample "
+                          'losses (reduction="none"), or a WeightedLoss(mean, weight) for a mean over units such as tokens')
+    if list(losses.shape) != [samples]:
+        raise ConfigError(f"Built.loss_fn returned shape {list(losses.shape)} for a micro-batch of {samples} samples; "
+                          f'expected [{samples}]: one loss per sample (reduction="none"), or a WeightedLoss(mean, weight)')
+
+
+@dataclass
+class Parts:
+    """What the trainer steps: the model on its device, optimizer, schedule, scaler, sampler, and their state."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    sampler: ElasticSampler
+    state: TrainState
+
+
+def make_parts(config: TrainConfig, built: Built, device: torch.device, rank: int, world_size: int) -> Parts:
+    check_items(built.train_data)
+    model = built.model.to(device)
+    optimizer = make_optimizer(built, model, config.optim)
+    scheduler = make_scheduler(built, optimizer, config)
+    scaler = torch.amp.GradScaler(device.type) if config.use_amp and config.amp_dtype == "float16" else None
+    sampler = ElasticSampler(
+        len(built.train_data),  # type: ignore[arg-type]
+        global_batch_size=config.global_batch_size, seed=config.seed, rank=rank, world_size=world_size,
+        grad_accum_steps=config.grad_accum_steps, shuffle=config.loader.shuffle, drop_last=config.loader.drop_last,
+    )
+    state = TrainState(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
+        fingerprint={**fingerprint(config), **{BUILD_PREFIX + k: v for k, v in built.fingerprint.items()}},
+        seed=config.seed, extra=built.state, rank_extra=built.rank_state,
+    )
+    if built.scheduler is None:  # the runtime's schedule: its horizon is recorded with each checkpoint
+        state.annotations[LR_HORIZON_KEY] = config.decay_steps
+    return Parts(model, optimizer, scheduler, scaler, sampler, state)
