@@ -35,10 +35,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager, export
+from elastic_ddp.checkpoint.files import basename
 from elastic_ddp.checkpoint.format import flatten
 from elastic_ddp.checkpoint.manager import deserialize
 from elastic_ddp.checkpoint.manifest import parse_step_dir
-from elastic_ddp.checkpoint.storage import basename
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError, ConfigError, ElasticDDPError
 from elastic_ddp.state import model_digest
 

@@ -245,3 +245,14 @@ class ElasticSampler:
             plan = self.plan(position)
             yield from self.local_micro_batches(plan)
             position = plan.next_position
+
+
+def check_delivered(batch: Any, expected: list[int], rank: int, step: int, plan: StepPlan) -> None:
+    """When the dataset returns sample ids (items ``(inputs, targets, sample_id)``), check the loader delivered
+    exactly the samples the global cursor planned for this rank's micro-batch."""
+    if len(batch) < 3:
+        return
+    got = batch[2].tolist()
+    if got != expected:
+        raise DataError(f"rank {rank}: step {step} (epoch {plan.epoch}) expected samples {expected[:8]}… but the loader "
+                        f"delivered {got[:8]}…: the DataLoader must use the ElasticSampler as its batch_sampler")

@@ -11,20 +11,24 @@ before the step that would train on it.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from elastic_ddp.build import Built, WeightedLoss
-from elastic_ddp.config import BUILD_PREFIX, OptimConfig, TrainConfig, fingerprint
+from elastic_ddp.config import BUILD_PREFIX, LoaderConfig, OptimConfig, TrainConfig, fingerprint
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.errors import ConfigError
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.state import TrainState
+
+logger = logging.getLogger(__name__)
 
 LR_HORIZON_KEY = "lr_horizon"
 """Meta entry recording the step at which the runtime's LR decay reaches its floor."""
@@ -127,6 +131,17 @@ def check_losses(losses: Any, samples: int) -> None:
                           f'expected [{samples}]: one loss per sample (reduction="none"), or a WeightedLoss(mean, weight)')
 
 
+def make_loader(data: Dataset, sampler: ElasticSampler, loader: LoaderConfig, device: torch.device, *,
+                seed: int) -> Iterator[Any]:
+    """The training batches: the sampler's micro-batches of ``data``. The workers' seeds come from ``seed``,
+    not the global RNG, so building the loader leaves the model's RNG streams untouched (bitwise resume)."""
+    return iter(DataLoader(
+        data, batch_sampler=sampler, num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers else None, pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),
+    ))
+
+
 @dataclass
 class Parts:
     """What the trainer steps: the model on its device, optimizer, schedule, scaler, sampler, and their state."""
@@ -158,3 +173,18 @@ def make_parts(config: TrainConfig, built: Built, device: torch.device, rank: in
     if built.scheduler is None:  # the runtime's schedule: its horizon is recorded with each checkpoint
         state.annotations[LR_HORIZON_KEY] = config.decay_steps
     return Parts(model, optimizer, scheduler, scaler, sampler, state)
+
+
+def check_lr_horizon(state: TrainState, config: TrainConfig, events: EventLog | None) -> None:
+    """Warn when the runtime's LR schedule ends at another step than the one the checkpoint was trained with
+    (``events``: where the ``lr_horizon_changed`` event goes, rank 0's; None: not written)."""
+    saved = state.restored_meta.get(LR_HORIZON_KEY)
+    now = state.annotations.get(LR_HORIZON_KEY)
+    if saved is None or now is None or saved == now or events is None:
+        return
+    logger.warning(
+        "the learning-rate schedule changes on this resume: its decay ended at step %s, now at step %s%s; "
+        "pass --optim-decay-steps %s to keep the schedule the run started with",
+        saved, now, "" if config.optim.decay_steps else " (--optim-decay-steps 0 follows --max-steps)", saved,
+    )
+    events.emit(Event.LR_HORIZON_CHANGED, step=state.counters.step, saved=saved, now=now)

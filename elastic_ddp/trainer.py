@@ -29,19 +29,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import default_collate
 
 from elastic_ddp._torch_compat import foreach_div_
-from elastic_ddp.build import Built, EvalFn, WeightedLoss, accuracy_on
+from elastic_ddp.build import Built, WeightedLoss
 from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import TrainConfig
-from elastic_ddp.data import StepPlan
+from elastic_ddp.data import StepPlan, check_delivered
 from elastic_ddp.distributed import DistContext
-from elastic_ddp.errors import DataError
-from elastic_ddp.events import Event, EventLog
+from elastic_ddp.events import EventLog
 from elastic_ddp.logs import LogContext, main_only
-from elastic_ddp.metrics import MetricsWriter, Progress, StepTimer
-from elastic_ddp.parts import LR_HORIZON_KEY, check_losses, make_parts
+from elastic_ddp.metrics import Progress, StepTimer
+from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts
+from elastic_ddp.report import StepReport
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.watchdog import Phase
 from elastic_ddp.runtime import Runtime
@@ -84,10 +84,6 @@ class Trainer:
         self.device = context.device
         self.loss_fn = built.loss_fn
         self.train_data = built.train_data
-        self.evaluate_fn: EvalFn | None = built.evaluate or (
-            accuracy_on(built.eval_data) if built.eval_data is not None and len(built.eval_data) else None  # type: ignore[arg-type]
-        )
-        self.tokens_per_sample = built.tokens_per_sample
         self.log_context = log_context
         self.events = events or EventLog.off()
         self.log0 = main_only(logger, context.rank)
@@ -98,13 +94,9 @@ class Trainer:
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if config.use_amp else nullcontext
         )
-        self.metrics = MetricsWriter(config.log.dir, enabled=context.is_main, tensorboard=config.log.tensorboard,
-                                     events=self.events)
-        """Opened before the runtime restores: its ``resumed`` or ``started_fresh`` event is a TensorBoard marker."""
+        self.report = StepReport(built, config.log, rank=context.rank, world_size=context.world_size, events=self.events)
         self._empty_batch: Any = None
         self._loss_checked = False
-        self._last_eval: tuple[int, dict[str, float]] | None = None
-        """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
 
     def make_runtime(self) -> Runtime:
         """The runtime this trainer steps on, built from the config's sections (enter it with ``with``)."""
@@ -114,38 +106,6 @@ class Trainer:
             collective_timeout_s=self.config.dist.collective_timeout_s, events=self.events,
             rank_log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
         )
-
-    # -- setup -------------------------------------------------------------------
-
-    def _check_lr_horizon(self) -> None:
-        """Warn when the LR schedule's horizon differs from the one the checkpoint was trained with."""
-        saved = self.state.restored_meta.get(LR_HORIZON_KEY)
-        now = self.state.annotations.get(LR_HORIZON_KEY)
-        if saved is None or now is None or saved == now:
-            return
-        self.log0.warning(
-            "the learning-rate schedule changes on this resume: its decay ended at step %s, now at step %s%s; "
-            "pass --optim-decay-steps %s to keep the schedule the run started with",
-            saved, now, "" if self.config.optim.decay_steps else " (--optim-decay-steps 0 follows --max-steps)", saved,
-        )
-        if self.context.is_main:
-            self.events.emit(Event.LR_HORIZON_CHANGED, step=self.state.counters.step, saved=saved, now=now)
-
-    def _make_loader(self) -> Iterator[Any]:
-        workers = self.config.loader.num_workers
-        loader = DataLoader(
-            self.train_data,
-            batch_sampler=self.sampler,
-            num_workers=workers,
-            prefetch_factor=self.config.loader.prefetch_factor if workers else None,
-            pin_memory=self.device.type == "cuda",
-            # Workers' seeds come from this generator, not the global RNG, so building the loader
-            # leaves the model's RNG streams untouched (bitwise resume).
-            generator=torch.Generator().manual_seed(
-                derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank)
-            ),
-        )
-        return iter(loader)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -162,18 +122,19 @@ class Trainer:
         self.watchdog = runtime.watchdog
         try:
             runtime.restore()
-            self._check_lr_horizon()
+            check_lr_horizon(self.state, self.config, self.events if self.context.is_main else None)
             self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             return self._run()
         finally:
-            self.metrics.close()
+            self.report.close()
 
     def _run(self) -> TrainResult:
         counters = self.state.counters
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples or units)
-        batches = self._make_loader()
+        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
+                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
         self.runtime.begin()
         last_loss: float | None = None
@@ -188,7 +149,8 @@ class Trainer:
                 decision = self.runtime.agree(step_time)
                 stop_reason = decision.stop
                 if counters.step % self.config.log.every == 0:
-                    last_loss = self._log_step(timer, loss_sum, plan)
+                    last_loss = self.report.log_step(counters.step, self.sampler.position.epoch,
+                                                     self.optimizer.param_groups[0]["lr"], timer, loss_sum)
                     timer.reset()
                     loss_sum.zero_()
                 progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
@@ -212,7 +174,7 @@ class Trainer:
         step = self.state.counters.step
         if self.config.eval_every and step % self.config.eval_every == 0:
             self.watchdog.enter(Phase.EVAL)
-            self.evaluate()
+            self.report.evaluate(self.model, self.device, step)
         if self.config.resilience.consistency_every and step % self.config.resilience.consistency_every == 0:
             self.watchdog.enter(Phase.COLLECTIVE)
             # not the control group: a background save's commit uses that one from its own thread
@@ -221,8 +183,7 @@ class Trainer:
     def _finish(self, last_loss: float | None) -> TrainResult:
         counters = self.state.counters
         self.watchdog.enter(Phase.EVAL)
-        evaluated_here = self._last_eval is not None and self._last_eval[0] == counters.step
-        metrics = self._last_eval[1] if evaluated_here else self.evaluate()  # type: ignore[index]
+        metrics = self.report.final_evaluation(self.model, self.device, counters.step)
         self.watchdog.enter(Phase.IDLE)
         result = TrainResult(
             step=counters.step,
@@ -254,7 +215,7 @@ class Trainer:
             self.watchdog.enter(Phase.DATA)
             if micro_batches:
                 batch = next(batches)
-                self._check_ids(batch, micro_batches[index], plan)
+                check_delivered(batch, micro_batches[index], self.context.rank, self.state.counters.step + 1, plan)
             else:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
@@ -313,17 +274,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
-    def _check_ids(self, batch: Any, expected: list[int], plan: StepPlan) -> None:
-        """When the dataset returns sample ids, check the loader delivered exactly the planned samples."""
-        if len(batch) < 3:
-            return
-        got = batch[2].tolist()
-        if got != expected:
-            raise DataError(
-                f"rank {self.context.rank}: step {self.state.counters.step + 1} (epoch {plan.epoch}) expected samples "
-                f"{expected[:8]}… but the loader delivered {got[:8]}…: the DataLoader must use the ElasticSampler"
-            )
-
     def _empty(self) -> Any:
         """A zero-sample batch shaped like the dataset's samples (for a rank whose share of a step is empty)."""
         if self._empty_batch is None:
@@ -336,49 +286,6 @@ class Trainer:
         self.events.set_step(step)
         if self.log_context is not None:
             self.log_context.set_step(step)
-
-    def _log_step(self, timer: StepTimer, loss_sum: torch.Tensor, plan: StepPlan) -> float:
-        totals = loss_sum.clone()
-        if self.context.world_size > 1:
-            dist.all_reduce(totals)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
-        summary = timer.summary()
-        if self.tokens_per_sample:
-            summary["tokens_per_s"] = summary["samples_per_s"] * self.tokens_per_sample
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.log0.info(
-            "loss %.4f | lr %.2e | %.0f samples/s | step %.1f ms | data wait %.1f ms | epoch %d | world %d",
-            loss, lr, summary["samples_per_s"], 1e3 * summary["step_time_s"], 1e3 * summary["data_wait_s"],
-            plan.epoch, self.context.world_size,
-        )
-        self.metrics.write(
-            {
-                "step": self.state.counters.step,
-                "epoch": self.sampler.position.epoch,
-                "loss": loss,
-                "lr": lr,
-                "world_size": self.context.world_size,
-                "time": time.time(),
-                **summary,
-            }
-        )
-        return loss
-
-    def evaluate(self) -> dict[str, float]:
-        """The script's evaluation of the current model (rank 0 computes and logs it); {} when there is none."""
-        if self.evaluate_fn is None or not self.context.is_main:
-            return {}
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                metrics = {name: float(value) for name, value in self.evaluate_fn(self.model, self.device).items()}
-        finally:
-            self.model.train()
-        self._last_eval = (self.state.counters.step, metrics)
-        logger.info("eval %s", " ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
-        evaluated = {f"eval_{name}": value for name, value in metrics.items()}
-        self.metrics.write({"step": self.state.counters.step, **evaluated, "time": time.time()})
-        return metrics
 
 
 def _fmt(value: float | None) -> str:

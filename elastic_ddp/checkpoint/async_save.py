@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from elastic_ddp.checkpoint.files import lower_thread_priority
 from elastic_ddp.checkpoint.manager import CheckpointManager, Staged
 from elastic_ddp.checkpoint.manifest import Manifest
-from elastic_ddp.checkpoint.storage import lower_thread_priority
 from elastic_ddp.errors import CheckpointError
 from elastic_ddp.state import TrainState
 

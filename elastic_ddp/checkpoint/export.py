@@ -17,8 +17,8 @@ from typing import IO, Any, cast
 
 import torch
 
+from elastic_ddp.checkpoint.files import fsync_dir, temp_name, unlink_quietly
 from elastic_ddp.checkpoint.format import encode_chunks, flatten
-from elastic_ddp.checkpoint.storage import _fsync_dir, _temp_name, _unlink_quietly
 from elastic_ddp.errors import CheckpointError
 
 SUFFIXES = (".safetensors", ".pt")
@@ -91,7 +91,7 @@ def write_torch(path: str, obj: Any, progress: Progress) -> int:
 
 def _write_atomically(path: str, write: Any, check: Any) -> int:
     directory = os.path.dirname(os.path.abspath(path))
-    temp = _temp_name(path)
+    temp = temp_name(path)
     try:
         with open(temp, "wb") as handle:
             write(handle)
@@ -100,12 +100,12 @@ def _write_atomically(path: str, write: Any, check: Any) -> int:
         check(temp)
         os.replace(temp, path)
     except OSError as exc:
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise ExportError(f"cannot write {path}: {exc}") from exc
     except BaseException:
-        _unlink_quietly(temp)
+        unlink_quietly(temp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return os.path.getsize(path)
 
 

@@ -29,8 +29,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,6 @@ from elastic_ddp.errors import (
     NoValidCheckpointError,
 )
 from elastic_ddp.events import Event, EventLog
-
-if TYPE_CHECKING:
-    from elastic_ddp.checkpoint.replica import Replicas
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +112,14 @@ class Restored:
     rank_state_reused: bool
     source: str = "storage"
     """``storage`` (a committed checkpoint under the manager's URI) or ``replica`` (a node's copy in memory)."""
+
+
+class NodeCopies(Protocol):
+    """Copies of the state kept in node memory, tried before storage (:class:`elastic_ddp.checkpoint.replica.Replicas`)."""
+
+    def restore(self, state: CheckpointState, newest_committed: Callable[[], int | None]) -> Restored | None:
+        """Load the newest copy at least as new as ``newest_committed()`` into ``state``; None: none to load."""
+        ...
 
 
 @dataclass
@@ -433,7 +439,7 @@ class CheckpointManager:
     # -- restore -----------------------------------------------------------------
 
     def restore(self, state: CheckpointState, allow_fresh_start: bool = False,
-                replicas: Replicas | None = None) -> Restored | None:
+                replicas: NodeCopies | None = None) -> Restored | None:
         """Load the newest valid checkpoint into ``state`` on every rank; None when there is none to load.
         With ``replicas``, a node's replica at least as new as the newest committed checkpoint comes first
         (:mod:`elastic_ddp.checkpoint.replica`), and storage is the fallback.

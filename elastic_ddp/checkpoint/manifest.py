@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.checkpoint.storage import FileRecord
+from elastic_ddp.checkpoint.files import FileRecord
 from elastic_ddp.errors import CheckpointCorruptError
 
 FORMAT_VERSION = 2

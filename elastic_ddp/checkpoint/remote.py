@@ -72,8 +72,8 @@ import fsspec
 from fsspec.core import split_protocol, strip_protocol
 
 from elastic_ddp._compat import IncompatibleLibraryError
-from elastic_ddp.checkpoint.storage import CheckpointStorageError, Checksum, FileRecord, basename
-from elastic_ddp.errors import CheckpointConflictError, CheckpointError
+from elastic_ddp.checkpoint.files import Checksum, FileRecord, basename
+from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
 logger = logging.getLogger(__name__)
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from elastic_ddp.checkpoint.files import FileRecord, lower_thread_priority, uninitialised
 from elastic_ddp.checkpoint.format import ALIGN, Flat, Plan, encode_chunks, flatten, plan, signature
 from elastic_ddp.checkpoint.manager import (
     CheckpointState,
@@ -74,7 +75,6 @@ from elastic_ddp.checkpoint.manager import (
     gather_to_main,
 )
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, Manifest, rank_file_name, replicated_file_name
-from elastic_ddp.checkpoint.storage import FileRecord, lower_thread_priority, uninitialised
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError
 from elastic_ddp.events import Event, EventLog
 

@@ -16,115 +16,29 @@ Two implementations: :class:`LocalStorage` for paths and ``file://`` URIs, and
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import posixpath
-import queue
 import shutil
 import sys
-import threading
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
+from elastic_ddp.checkpoint.files import (
+    HASH_NAME,
+    READ_CHUNK_BYTES,
+    Checksum,
+    FileRecord,
+    basename,
+    fsync_dir,
+    lower_thread_priority,
+    temp_name,
+    uninitialised,
+    unlink_quietly,
+)
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
-HASH_NAME = "sha256"
-
-READ_CHUNK_BYTES = 16 << 20
-"""Reads of large files go in chunks this size, each hashed while the next is read."""
-
-
-BACKGROUND_NICE = 10
-"""Scheduling niceness of the threads that hash and write checkpoints behind the training loop."""
-
-
-def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
-    """Make the calling thread yield the CPU to the training loop's threads (Linux; elsewhere a no-op).
-
-    Hashing and writing a checkpoint in the background use a core each; on a node whose cores all
-    train, they would slow every step they overlap. At niceness 10 they run in the time the
-    training threads leave idle (a thread's niceness can be raised, never lowered back, so only
-    threads that do nothing else call this). Threads they start inherit it.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-    except OSError:  # a sandbox that forbids it: run at the inherited priority
-        pass
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """What the manifest says about one data file: its size and its digest under the manifest's ``hash``
-    (SHA-256 for stored checkpoints; node-memory replicas use XXH3-128)."""
-
-    size: int
-    digest: str
-
-
-class Checksum:
-    """Size and SHA-256 of bytes as they stream past, for :meth:`Storage.write`.
-
-    Large chunks are hashed on a helper thread while the caller writes the next one: hashlib
-    and file/socket writes both release the GIL, so a save costs about the slower of hashing
-    and writing instead of their sum. Chunks are not copied; the caller keeps them unchanged
-    until :meth:`record` (staged or paused state, so they are). Use as a context manager so
-    the thread ends on every path.
-
-    The helper thread runs at the priority of the thread that feeds it (Linux threads inherit
-    their creator's niceness): an asynchronous save's writer runs at BACKGROUND_NICE, so its
-    hashing does too, while a restore or a synchronous save, which the training loop waits for,
-    hashes at the loop's own priority instead of yielding the CPU to every other process.
-    """
-
-    PARALLEL_MIN_BYTES = 1 << 20
-
-    def __init__(self) -> None:
-        self.size = 0
-        self._hasher = hashlib.sha256()
-        self._queue: queue.Queue[memoryview | None] | None = None
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> Checksum:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._finish()
-
-    def update(self, chunk: bytes | memoryview) -> None:
-        view = memoryview(chunk)
-        self.size += view.nbytes
-        if self._queue is None and view.nbytes < self.PARALLEL_MIN_BYTES:
-            self._hasher.update(view)
-            return
-        if self._queue is None:
-            self._queue = queue.Queue(maxsize=4)
-            self._thread = threading.Thread(target=self._hash_queued, name="elastic-ddp-sha256", daemon=True)
-            self._thread.start()
-        self._queue.put(view)  # keeps order: once the thread runs, every chunk goes through it
-
-    def record(self) -> FileRecord:
-        self._finish()
-        return FileRecord(size=self.size, digest=self._hasher.hexdigest())
-
-    def _hash_queued(self) -> None:
-        assert self._queue is not None
-        while (view := self._queue.get()) is not None:
-            self._hasher.update(view)
-
-    def _finish(self) -> None:
-        if self._thread is not None and self._queue is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-
+__all__ = ["HASH_NAME", "READ_CHUNK_BYTES", "Checksum", "CheckpointStorageError", "FileRecord", "LocalStorage", "Storage",
+           "basename", "is_local", "lower_thread_priority", "open_storage", "uninitialised"]
 
 class Storage(Protocol):
     """Where checkpoints live: :class:`LocalStorage`, or ``remote.FsspecStorage`` for fsspec URIs."""
@@ -180,26 +94,26 @@ class LocalStorage:
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
         with _local_errors("write", path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            temp = _temp_name(path)
+            temp = temp_name(path)
             try:
                 record = _write_synced(temp, chunks)
                 os.replace(temp, path)
             except BaseException:
-                _unlink_quietly(temp)
+                unlink_quietly(temp)
                 raise
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return record
 
     def create(self, path: str, data: bytes) -> None:
         with _local_errors("create", path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            temp = _temp_name(path)
+            temp = temp_name(path)
             try:
                 _write_synced(temp, [data])
                 _link_exclusive(temp, path, data)
             finally:
-                _unlink_quietly(temp)
-            _fsync_dir(os.path.dirname(path))
+                unlink_quietly(temp)
+            fsync_dir(os.path.dirname(path))
 
     def replace(self, path: str, data: bytes) -> None:
         self.write(path, [data])
@@ -244,7 +158,7 @@ class LocalStorage:
     def remove(self, path: str) -> None:
         with _local_errors("remove", path):
             os.unlink(path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
 
     def remove_tree(self, path: str) -> None:
         with _local_errors("remove", path):
@@ -260,19 +174,6 @@ def _local_errors(action: str, path: str) -> Iterator[None]:
         raise CheckpointError(f"{path} does not exist") from exc
     except OSError as exc:
         raise CheckpointStorageError(f"cannot {action} {path}: {exc}") from exc
-
-
-def uninitialised(size: int) -> memoryview:
-    """Writable, uninitialised memory for ``size`` bytes of a file (only the bytes read are ever exposed).
-
-    It comes from torch's CPU allocator: reading 805 MB from the page cache into it takes
-    0.65 s here against 0.85-1.0 s into anonymous ``mmap`` memory (faulted in page by page,
-    or all at once with ``MAP_POPULATE``) and 1.1 s into a ``bytearray`` (memset first).
-    """
-    tensor = torch.empty(max(size, 1), dtype=torch.uint8)
-    array = (ctypes.c_char * size).from_address(tensor.data_ptr())
-    array._owner = tensor  # type: ignore[attr-defined]  # the memory lives as long as any view of it
-    return memoryview(array).cast("B")
 
 
 def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
@@ -293,8 +194,7 @@ class WriteBehind:
     Without it every byte waits in the page cache until the final ``fsync``, which then
     writes it all while nothing else happens. Here each 16 MiB window is handed to the disk
     as soon as it is complete, and the writer waits for the window two behind it, so the
-    disk and the writer work at once and dirty memory stays bounded (about 805 MB with fsync
-    at 0.47 GB/s plain, 0.54 GB/s this way on this project's virtio disk). Elsewhere a no-op.
+    disk and the writer work at once and dirty memory stays bounded. Elsewhere a no-op.
     """
 
     WINDOW_BYTES = 16 << 20
@@ -348,25 +248,6 @@ def _holds(path: str, data: bytes) -> bool:
         return handle.read() == data
 
 
-def _temp_name(path: str) -> str:
-    return f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
@@ -386,7 +267,3 @@ def open_storage(uri: str, options: Mapping[str, Any] | None = None) -> Storage:
     from elastic_ddp.checkpoint.remote import FsspecStorage  # imports fsspec: only for remote URIs
 
     return FsspecStorage(uri, options or {})
-
-
-def basename(path: str) -> str:
-    return posixpath.basename(path.rstrip("/"))
