@@ -23,8 +23,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from elastic_ddp.checkpoint import storage as storage_module
-from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.files import BACKGROUND_NICE, READ_CHUNK_BYTES, Checksum, FileRecord
+from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.storage import (
     CheckpointStorageError,
     LocalStorage,
