@@ -2,7 +2,9 @@
 
   python -m chaos list                              the scenario library
   python -m chaos run SCENARIO [--report-dir DIR]   a scenario (a name from the library or a .toml path);
-                                                    exit 0 only if every check passed
+                                                    exit 0 only if every check passed; --script PATH
+                                                    [--script-args ARGS] trains another script (the
+                                                    library path: examples/byo_loop/train.py)
   python -m chaos demo [--report-dir DIR]           the 'demo' scenario (about a minute), then its report
   python -m chaos launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] [--nodes-start N] -- SCRIPT ARGS...
                                                     a local elastic job (embedded etcd unless --etcd)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -23,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from chaos import launch as launch_command
-from chaos.scenario import ChaosError, load_scenario, scenario_names
+from chaos.scenario import ChaosError, load_scenario, scenario_names, with_script
 
 
 def default_cache_dir() -> Path:
@@ -45,6 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from chaos.verify import run_checks
 
     scenario = load_scenario(args.scenario)
+    if getattr(args, "script", ""):
+        scenario = with_script(scenario, args.script, shlex.split(args.script_args))
     report_dir = Path(args.report_dir or f"chaos-reports/{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     options = RunOptions(workdir=report_dir / "work", cache_dir=Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     print(f"chaos: {scenario.name}: {scenario.description}\n  work and report in {report_dir}", file=sys.stderr)
@@ -86,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("list", help="the scenario library").set_defaults(func=cmd_list)
     run = commands.add_parser("run", help="run a scenario and verify the job lost nothing")
     run.add_argument("scenario", help="a name from `list`, or a path to a .toml file")
+    run.add_argument("--script", default="", help="train this script instead of the scenario's (e.g. "
+                     "examples/byo_loop/train.py, the library path); it takes the runner's flags (chaos/scenario.py)")
+    run.add_argument("--script-args", default="", help="the script's own arguments, one shell-quoted string "
+                     "(the scenario's job.args belong to its own script and are dropped with --script)")
     demo = commands.add_parser("demo", help="run the demo scenario (etcd, 2 nodes, a killed worker, a preemption)")
     for sub in (run, demo):
         sub.add_argument("--report-dir", default="", help="report and work files (default chaos-reports/NAME-TIME)")

@@ -144,7 +144,7 @@ def job_spec(scenario: Scenario, services: Services, workdir: Path) -> JobSpec:
     job, cluster = scenario.job, scenario.cluster
     args = [*job.args, "--max-steps", str(job.max_steps), "--checkpoint-every", str(job.checkpoint_every),
             "--checkpoint-dir", services.checkpoint_uri, *services.checkpoint_args,
-            "--log-dir", str(workdir / "logs"), "--log-every", "1", "--log-progress", "off"]
+            "--log-dir", str(workdir / "logs"), "--log-every", "1"]
     return JobSpec(
         script=job.script, args=args, nnodes=cluster.nodes, nproc_per_node=cluster.nproc_per_node,
         rdzv_backend=cluster.rdzv_backend, rdzv_endpoint=services.rdzv_endpoint,

@@ -36,7 +36,9 @@ naming its key (``faults[2].target: ...``). The runner owns some flags of the jo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,12 @@ REPO = Path(__file__).resolve().parents[1]
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 
 RUNNER_FLAGS = ("--max-steps", "--checkpoint-dir", "--checkpoint-every", "--checkpoint-keep", "--log-dir",
-                "--log-every", "--log-progress", "--checkpoint-storage-options", "--run-id")
-"""Flags the runner sets for every job (from ``[job]`` keys or its own work directory)."""
+                "--log-every", "--checkpoint-storage-options")
+"""Flags the runner sets for every job (from ``[job]`` keys or its own work directory). A script the runner
+trains takes them all, and ``--resilience-spot-notice-url`` and ``--resilience-spot-poll-interval-s`` when the
+scenario sends spot notices; it writes ``events.jsonl`` (every rank) and ``metrics.jsonl`` (rank 0: ``step``,
+``time``, ``world_size``, ``loss``, ``step_time_s``) to ``--log-dir``. Both examples/train.py (the trainer
+path) and examples/byo_loop/train.py (the library path) do."""
 
 RDZV_CONF = {"join_timeout": "60", "last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 """Rendezvous settings of every job: a dead node is noticed after 3 s, a round closes 1 s after
@@ -316,6 +322,20 @@ def _parse_goodput(reader: _Reader) -> GoodputFigures:
                              target_after_startup=share("target_after_startup"))
     reader.reject_unknown()
     return figures
+
+
+def with_script(scenario: Scenario, script: str, args: Sequence[str] = ()) -> Scenario:
+    """The scenario training another script: its faults and cluster, ``script`` with ``args`` instead of the
+    job's own script and arguments (which belong to that script). The checks are the same."""
+    problems: list[str] = []
+    path = Path(script) if Path(script).is_absolute() else REPO / script
+    if not path.is_file():
+        problems.append(f"--script: {script!r} is not a file (relative paths start at {REPO})")
+    problems += [f"--script-args: {arg.split('=', 1)[0]} is set by the runner" for arg in args
+                 if arg.split("=", 1)[0] in RUNNER_FLAGS]
+    if problems:
+        raise ScenarioError("; ".join(problems))
+    return dataclasses.replace(scenario, job=dataclasses.replace(scenario.job, script=str(path), args=tuple(args)))
 
 
 def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:

@@ -655,7 +655,7 @@ def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
                job.script, *job.args, "--max-steps", str(job.max_steps), "--checkpoint-every", str(job.checkpoint_every),
                "--checkpoint-keep", str(keep), "--checkpoint-dir", str(directory / "ckpt"),
-               "--log-dir", str(directory / "logs"), "--log-every", "1", "--log-progress", "off"]
+               "--log-dir", str(directory / "logs"), "--log-every", "1"]
     logger.info("reference run (world size %d): %s", world_size, " ".join(command))
     # a Node: torchrun and its workers each in their own session, all stopped by stop() on every exit path
     node = Node("reference", command, _reference_env(), directory / "reference.log").start()

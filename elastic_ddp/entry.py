@@ -23,11 +23,11 @@ from typing import Any
 
 from elastic_ddp.build import Built
 from elastic_ddp.config import TrainConfig
-from elastic_ddp.distributed import LaunchEnv, distributed, shares_agent_store
+from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import setup_logging
 from elastic_ddp.resilience.exits import ExitReason, log_exit, write_error_file
-from elastic_ddp.runtime import Runtime, failure_reason
+from elastic_ddp.runtime import Runtime, announce_process_group, failure_reason
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
 
@@ -48,9 +48,7 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
     runtime: Runtime | None = None
     try:
         with distributed(config.dist, env) as context:
-            events.emit(Event.PROCESS_GROUP_FORMED, world_size=context.world_size, backend=context.backend,
-                        store=f"{env.master_addr}:{env.master_port}", agent_store=shares_agent_store(),
-                        restart_count=env.restart_count)
+            announce_process_group(events, context.world_size, context.backend, env)
             seed_rng_streams(config.seed)  # identical initial weights on every rank
             trainer = Trainer(config, context, build(config), log_context=log, events=events)
             with trainer.make_runtime() as runtime:

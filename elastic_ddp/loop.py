@@ -40,12 +40,13 @@ from elastic_ddp.config import CheckpointConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv
 from elastic_ddp.events import EventLog
+from elastic_ddp.metrics import MetricsWriter
 from elastic_ddp.resilience.agreement import Decision
 from elastic_ddp.runtime import Runtime, entrypoint
 from elastic_ddp.state import model_digest
 
-__all__ = ["CheckpointConfig", "Decision", "ElasticSampler", "EventLog", "ResilienceConfig", "Runtime", "entrypoint",
-           "model_digest", "open_events"]
+__all__ = ["CheckpointConfig", "Decision", "ElasticSampler", "EventLog", "MetricsWriter", "ResilienceConfig", "Runtime",
+           "entrypoint", "model_digest", "open_events"]
 
 
 def open_events(log_dir: str) -> EventLog:

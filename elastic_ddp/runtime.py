@@ -43,7 +43,7 @@ from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, cpu_group
+from elastic_ddp.distributed import LaunchEnv, cpu_group, shares_agent_store
 from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
@@ -95,6 +95,14 @@ def entrypoint(main: Callable[P, int | None]) -> Callable[P, int]:
 
     recorded = cast(Callable[P, int], record(run_main))  # record returns what run_main returns
     return functools.wraps(main)(recorded)
+
+
+def announce_process_group(events: EventLog, world_size: int, backend: str, env: LaunchEnv) -> None:
+    """The ``process_group_formed`` event of this attempt (the trainer path writes it as soon as the group formed,
+    before the script builds its model; the library path when its runtime starts)."""
+    events.emit(Event.PROCESS_GROUP_FORMED, world_size=world_size, backend=backend,
+                store=f"{env.master_addr}:{env.master_port}", agent_store=shares_agent_store(),
+                restart_count=env.restart_count)
 
 
 def _world() -> tuple[int, int]:
@@ -159,6 +167,8 @@ class Runtime:
         self._last_commit_time = time.monotonic()
         self._last_boundary = time.perf_counter()
         self._typical_step_s = 0.0
+        self._announce = False
+        """Write ``process_group_formed`` when starting (the library path; the trainer path's entry writes it)."""
 
     @classmethod
     def for_loop(
@@ -184,8 +194,10 @@ class Runtime:
         ``Stateful`` objects saved with the model (rank 0's copy)."""
         train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
                                  extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
-        return cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,
-                   events=events)
+        runtime = cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,
+                      events=events)
+        runtime._announce = True
+        return runtime
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -198,6 +210,9 @@ class Runtime:
         return self
 
     def _start(self) -> None:
+        if self._announce:
+            backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
+            announce_process_group(self.events, self.world_size, backend, self.env)
         self.control_group = cpu_group(self.world_size, self.collective_timeout_s, own=True)
         """Checkpoint coordination: a background save's commit (its own thread) never interleaves with the
         step's collectives, and object collectives work whatever the training backend is."""

@@ -29,7 +29,7 @@ class StepPhase(enum.Enum):
 
 @dataclass(frozen=True)
 class LiveState:
-    """What decides whether a survivor's state can be kept (the trainer fills it in)."""
+    """What decides whether a survivor's state can be kept (the runtime fills it in)."""
 
     phase: StepPhase
     forward_changes_state: bool

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import CheckpointConfig, ElasticSampler, Runtime, entrypoint, open_events
+from elastic_ddp.loop import CheckpointConfig, ElasticSampler, MetricsWriter, ResilienceConfig, Runtime, entrypoint, open_events
 
 
 @dataclass
@@ -47,10 +48,14 @@ class TrainingConfig:
     hidden: int = 128
     num_workers: int = 0
     log_every: int = 20
-    checkpoint_dir: str = ""
+    checkpoint_dir: str = ""  # a path, or s3://bucket/prefix
     checkpoint_every: int = 0
-    replica_every: int = 1  # keep a replica of the state in node memory every N steps (0: off)
-    log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) goes here
+    checkpoint_keep: int = 3
+    checkpoint_storage_options: str = ""  # JSON for s3:// (fsspec options: endpoint_url, key, ...)
+    checkpoint_replica_every: int = 1  # keep a replica of the state in node memory every N steps (0: off)
+    resilience_spot_notice_url: str = ""  # poll this (or 'aws', 'gcp') for a spot notice; one stops the job at an agreed step
+    resilience_spot_poll_interval_s: float = 5.0
+    log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) and metrics.jsonl go here
     lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
 
 
@@ -107,19 +112,26 @@ def main(argv: list[str] | None = None) -> int:
     dataset = Spirals(config.num_samples, config.seed)
     sampler = ElasticSampler(len(dataset), global_batch_size=config.batch_size, seed=config.seed, rank=rank,
                              world_size=world_size, grad_accum_steps=config.grad_accum_steps)
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers)
+    # its own generator: creating the iterator after the resume leaves the model's RNG streams as restored
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers,
+                        generator=torch.Generator().manual_seed(config.seed))
     events = open_events(config.log_dir)
+    metrics = MetricsWriter(config.log_dir, enabled=rank == 0)
     runtime = Runtime.for_loop(
         model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
         scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
-        checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every,
-                                    replica_every=config.replica_every),
+        checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every, keep=config.checkpoint_keep,
+                                    storage_options=config.checkpoint_storage_options,
+                                    replica_every=config.checkpoint_replica_every),
+        resilience=ResilienceConfig(spot_notice_url=config.resilience_spot_notice_url,
+                                    spot_poll_interval_s=config.resilience_spot_poll_interval_s),
         fingerprint={name: getattr(config, name) for name in ("seed", "batch_size", "num_samples", "hidden", "lr_decay_every")})
     with runtime:
         step = runtime.restore()
         if rank == 0 and step:
             print(f"resumed at step {step}")
         batches = iter(loader)
+        logged_at = time.perf_counter()
         while step < config.max_steps:
             plan = sampler.plan()
             micro_batches = sampler.local_micro_batches(plan)
@@ -138,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             if rank == 0 and step % config.log_every == 0:
                 mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
+                step_time, logged_at = (time.perf_counter() - logged_at) / config.log_every, time.perf_counter()
                 print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+                metrics.write({"step": step, "loss": mean_loss, "world_size": world_size, "time": time.time(),
+                               "step_time_s": step_time})
             if runtime.after_step(step).stop:  # checkpoints, replicas and stops, every rank alike
                 break
     dist.destroy_process_group()
+    metrics.close()
     events.close()
     return runtime.exit_status or 0
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from elastic_ddp.config import config_from_args, fingerprint, fingerprint_mismatches, flag_name
-from tests.jobs import REPO, import_example, import_script
+from tests.jobs import REPO, child_env, import_example, import_script
 
 MLPConfig = import_example("config").MLPConfig
 make_datasets = import_example("dataset").make_datasets
@@ -90,3 +92,11 @@ def test_the_runtime_never_names_an_examples_fields() -> None:
         if pattern.search(line)
     ]
     assert not offenders, "the runtime mentions an example's model or dataset field:\n" + "\n".join(offenders)
+
+
+def test_the_gpu_check_skips_cleanly_without_a_gpu() -> None:
+    """scripts/gpu_check.py, run where no CUDA device is visible, says so and exits 0 before doing anything."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py")], cwd=REPO, text=True,
+                            capture_output=True, timeout=120, env=child_env({"CUDA_VISIBLE_DEVICES": ""}), check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "gpu_check: skipped: no CUDA device (torch.cuda.is_available() is False)"

@@ -85,3 +85,30 @@ def _imports_any(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
     return names
+
+
+def test_the_public_api_is_one_import_and_every_name_resolves() -> None:
+    import elastic_ddp
+
+    missing = [name for name in elastic_ddp.__all__ if not hasattr(elastic_ddp, name)]
+    assert missing == []
+    for door in (["Built", "TrainConfig", "WeightedLoss", "config_from_args", "run_training"],
+                 ["CheckpointConfig", "ElasticSampler", "Runtime", "entrypoint", "open_events"]):
+        assert set(door) <= set(elastic_ddp.__all__)
+
+
+def test_importing_the_package_loads_no_training_runtime() -> None:
+    """torchrun's agent imports the package for the etcd-v3 backend: the runtime's names load on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, elastic_ddp; print(sorted(m for m in sys.modules if m.startswith('elastic_ddp.') "
+            "or m == 'torch'))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", loaded
+
+
+def test_the_public_names_are_the_ones_the_package_maps() -> None:
+    import elastic_ddp
+
+    assert sorted(elastic_ddp.__all__) == sorted(["__version__", *elastic_ddp._WHERE])
