@@ -257,7 +257,7 @@ class ResilienceConfig:
     agreement_interval_s: float = 0.25
     """All ranks agree on stop requests and time-based saves at the end of every step, or of every
     few steps when steps are shorter than this: a request is acted on up to this much later (plus
-    two steps), and a one-step agreement costs about 1 ms of CPU on gloo. 0: every step."""
+    two steps); each agreement is one small all-reduce on the CPU. 0: every step."""
     consistency_every: int = 0
     """Every N steps all ranks compare a digest of their parameters; a mismatch stops the run naming
     the ranks that disagree. 0: off."""
@@ -498,7 +498,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 @functools.cache
 def _own_field_docs(cls: type) -> dict[str, str]:
-    """Read from the class's source (parsing it costs ~80 ms for the runtime's sections): once per process,
+    """Read from the class's source (parsing it costs CPU time): once per process,
     and a prefork server reads them before it forks, so a warm worker does not."""
     try:
         tree = ast.parse(inspect.getsource(cls))

@@ -356,11 +356,10 @@ class CheckpointManager:
         correct restore.
 
         Retention runs on a thread so that the save returns (and every rank learns the outcome)
-        without waiting for deletions: unlinking an 805 MB checkpoint takes 0.6 s on this
-        project's disk, and a sync save that also deleted one took 2.2x as long as one that did
-        not. One retention runs at a time; a process that exits meanwhile leaves at worst a step
-        directory without its manifest, which the next retention removes (manifest first is
-        what makes an interrupted removal safe)."""
+        without waiting for deletions, which take time of their own on a large checkpoint (a synchronous
+        save that also deleted one took twice as long). One retention runs at a time; a process that
+        exits meanwhile leaves at worst a step directory without its manifest, which the next retention
+        removes (manifest first is what makes an interrupted removal safe)."""
         try:
             self.storage.replace(self.storage.join(LATEST_HINT), step_dir_name(manifest.step).encode())
         except CheckpointError as exc:

@@ -40,22 +40,11 @@ store exists, and would die with that agent's node: the next round, which happen
 exactly because a node went away, would lose its store. etcd is already the
 fault-tolerant component of the job, so the store lives there, next to the state.
 
-Measured on this machine (2 vCPUs shared with other work, load ~2.5; etcd 3.5.1 on
-127.0.0.1 with its WAL on disk; ``python -m tests.fixtures.store_latency``, 300
-operations each, ``wake`` = a blocked ``wait`` returning after another client's
-``set``)::
-
-                 EtcdStore median / p99     TCPStore median / p99
-    set          1.02 ms  /  6.3 ms         0.002 ms / 0.02 ms  (TCPStore set does not wait for a reply)
-    get          0.90 ms  /  5.7 ms         0.048 ms / 0.20 ms
-    add          2.47 ms  / 11.8 ms         0.023 ms / 0.06 ms  (etcd: read + compare-and-swap)
-    wait         0.88 ms  /  5.1 ms         0.025 ms / 0.07 ms
-    wake         1.64 ms  / 12.8 ms         0.129 ms / 2.4 ms   (etcd: watch)
-
 An agent makes about eight store calls per round (``RendezvousStoreInfo.build`` and
-``_assign_worker_ranks``), i.e. about 10 ms on etcd against under 1 ms on a
-TCPStore, next to ``last_call_timeout`` (30 s by default) and worker start-up that
-take seconds. The workers' process-group traffic stays on a TCPStore at TCPStore speed.
+``_assign_worker_ranks``), each an etcd round trip: milliseconds against the seconds that
+``last_call_timeout`` and worker start-up take (docs/performance.md has the latencies,
+``python -m tests.fixtures.store_latency``). The workers' process-group traffic stays on a TCPStore, at
+TCPStore speed.
 """
 
 from __future__ import annotations
