@@ -6,7 +6,8 @@ How to run:
 For each scenario, each repeat runs it twice in a row, in alternating order: once training the scenario's own
 script (``examples/train.py``, the trainer path) and once training ``examples/byo_loop/train.py`` (the library
 path, a hand-written loop on ``elastic_ddp.loop.Runtime``) on the same cluster, faults and verifier. Prints, per
-path: whether the verifier passed, the survivors' first step after each kill -9 (seconds after the kill), the
+path: whether the verifier passed, when the job noticed each kill -9 and the survivors' first step after it
+(seconds after the kill), the
 steps redone, and the goodput after start-up; medians with the range over repeats, and the library path's
 ratio to the trainer path's. Exit status 1 if any run failed its verifier.
 """
@@ -43,6 +44,7 @@ def run_once(name: str, path: str, workdir: Path, cache: Path) -> dict[str, Any]
     failed = [f"{check['name']}: {check['message']}" for check in report["checks"] if not check["passed"]]
     kills = [fault for fault in report["faults"] if fault["kind"] in ("kill-worker", "kill-node")]
     return {"passed": report["passed"], "failed": failed, "goodput_after_startup": report["goodput_after_startup"],
+            "detect_s": [fault["detect_s"] for fault in kills if fault["detect_s"] is not None],
             "first_step_s": [fault["first_step_s"] for fault in kills if fault["first_step_s"] is not None],
             "steps_redone": [fault["steps_redone"] for fault in kills if fault["steps_redone"] is not None]}
 
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"| {name} | verifier passed | {sum(r['passed'] for r in trainer)}/{len(trainer)} | "
               f"{sum(r['passed'] for r in library)}/{len(library)} | |")
-        for key, label, unit, digits in (("first_step_s", "kill -9 → first step", " s", 2),
+        for key, label, unit, digits in (("detect_s", "kill -9 → the job noticed", " s", 2),
+                                         ("first_step_s", "kill -9 → first step", " s", 2),
                                          ("steps_redone", "steps redone", "", 0),
                                          ("goodput_after_startup", "goodput after start-up", "", 3)):
             values = gather(trainer, key), gather(library, key)

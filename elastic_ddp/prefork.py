@@ -257,6 +257,19 @@ def agent_pid() -> int:
     return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
 
 
+def agent_identity() -> str:
+    """This worker's torchrun agent as one process, not only a pid: its pid and start time. The same for every
+    worker group the agent starts (restarts and re-formations alike); another for a new launch."""
+    import psutil  # only workers ask; the agent and the launchers import this module too
+
+    pid = agent_pid()
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return str(pid)
+    return f"{pid}-{started:.3f}"
+
+
 def _forward(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)

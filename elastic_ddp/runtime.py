@@ -47,6 +47,7 @@ from elastic_ddp.distributed import LaunchEnv, cpu_group, shares_agent_store
 from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
+from elastic_ddp.prefork import agent_identity
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, write_error_file
@@ -272,7 +273,7 @@ class Runtime:
             checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.rank,
             world_size=self.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
             token=self.checkpoints.token, every=checkpoint.replica_every, budget=checkpoint.replica_budget,
-            generation=env.restart_count, group=self.agreement_group, events=self.events,
+            generation=env.restart_count, agent=agent_identity(), group=self.agreement_group, events=self.events,
         )
 
     def _track_step_phase(self) -> None:
@@ -313,9 +314,10 @@ class Runtime:
         reason = failure_reason(exc)
         detail = str(exc)
         if reason is None and isinstance(exc, RuntimeError):
-            told = self.group_watch is not None and self.group_watch.told(TOLD_WAIT_S)
+            # gloo's text, when it says so, spares the wait for the agent's word (a fast path only: the rescue
+            # above does not depend on it, and NCCL says nothing of the kind)
             fast = peer_loss(exc)
-            if told or fast:
+            if fast or (self.group_watch is not None and self.group_watch.told(TOLD_WAIT_S)):
                 reason = ExitReason.PEER_LOST
                 detail = fast or f"a collective failed and {self.group_watch.why if self.group_watch else ''}"
         if reason is None:

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from elastic_ddp.checkpoint.files import FileRecord, lower_thread_priority, uninitialised
+from elastic_ddp.checkpoint.files import FileRecord, lower_thread_priority, uninitialised, unlink_quietly
 from elastic_ddp.checkpoint.format import ALIGN, Flat, Plan, encode_chunks, flatten, plan, signature
 from elastic_ddp.checkpoint.manager import (
     CheckpointState,
@@ -208,9 +208,11 @@ class Held:
 class Replicas:
     """This rank's part of the replicas of a run (see the module docstring).
 
-    ``generation``: torchrun's restart count of this rank's agent. When storage holds no committed
-    checkpoint, replicas are used only if some agent has restarted (this launch wrote them): a new
-    launch of the same run id over an emptied checkpoint location starts fresh.
+    ``generation``: torchrun's restart count of this rank's agent; ``agent``: that agent's identity (a pid and
+    a start time, the same for every worker group it starts). When storage holds no committed checkpoint,
+    replicas are used only if this launch wrote them: some agent restarted its workers after a failure, or
+    started workers before (a re-formation after a membership change, which torchrun does not count as a
+    restart). A new launch of the same run id over an emptied checkpoint location starts fresh.
 
     ``group``: a CPU (gloo) group used from the training thread only. ``node_rank`` and
     ``local_rank`` name this rank's node and its place on it (torchrun's ``GROUP_RANK`` and
@@ -232,6 +234,7 @@ class Replicas:
         every: int,
         budget: float = 0.0,
         generation: int = 0,
+        agent: str = "",
         group: dist.ProcessGroup | None = None,
         events: EventLog | None = None,
     ) -> None:
@@ -266,6 +269,15 @@ class Replicas:
         self._write_failed = False
         self._last_write_cpu_s = 0.0
         self.generation = generation
+        self._agent_marker = os.path.join(self.root, f"agent-{_UNSAFE.sub('_', agent)}") if agent else ""
+        self.agent_started_before = bool(self._agent_marker) and os.path.exists(self._agent_marker)
+        """This rank's agent started a worker group of this run before (its marker was in node memory)."""
+        if self._agent_marker:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                open(self._agent_marker, "a").close()
+            except OSError:
+                pass  # node memory unusable: the writer warns when it lays out its slots
         self.group = group
         self.events = events or EventLog.off()
         self._capacity = 0
@@ -481,6 +493,8 @@ class Replicas:
         self.close()
         if self.writer:
             shutil.rmtree(self.own, ignore_errors=True)
+            if self._agent_marker:
+                unlink_quietly(self._agent_marker)
             try:
                 os.rmdir(self.root)  # only once every node's directory is gone
             except OSError:
@@ -512,14 +526,14 @@ class Replicas:
         ``newest_committed`` reads, on rank 0 and only when some node holds a replica; None: storage holds
         none); None when no node holds one or any rank could not verify it."""
         mine = {_identity(held.manifest): held for held in self.held()}
-        reports = self._gather_to_main((sorted(mine), self.generation))
+        reports = self._gather_to_main((sorted(mine), self.generation > 0 or self.agent_started_before))
         choice: list[Any] = [None]
         if self.rank == 0 and any(held for held, _ in reports):
-            restarted = any(generation > 0 for _, generation in reports)
+            restarted = any(again for _, again in reports)
             committed = newest_committed()
             if committed is None and not restarted:
-                # A new launch (no agent has restarted) over storage without a checkpoint: replicas left by an
-                # earlier launch of this run id must not resurrect a run whose checkpoints were removed.
+                # A new launch (no agent has started workers before) over storage without a checkpoint: replicas
+                # left by an earlier launch of this run id must not resurrect a run whose checkpoints were removed.
                 logger.warning("ignoring replicas left by an earlier launch under %s: storage holds no checkpoint",
                                self.root)
             else:

@@ -438,6 +438,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._reach_timeout: float | None = None
         self._fork_server_started = False
         self._local_addr_given = True
+        self._members: tuple[int, frozenset[_NodeDesc]] | None = None
+        """The round this node trains in, and its participants (a peer missing from them later is gone)."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     def attach(
@@ -499,10 +501,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             info = super().next_rendezvous()
             listener = self._probe_listener() if info.world_size > 1 else None
             if listener is None or self._reach_timeout is None:
-                return info
+                return self._training_in(info)
             left_out = reach.check_round(info.store, info.rank, info.world_size, listener, self._reach_timeout)
             if not left_out:
-                return info
+                return self._training_in(info)
             if info.rank in left_out:
                 self._step_out(left_out, info.world_size)
                 self._wait_until_reachable(deadline)
@@ -511,6 +513,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     "etcd-v3: round %d of rendezvous %s leaves out agent rank(s) %s, which some node cannot reach; "
                     "re-forming without them", self._state_holder.state.round, self._settings.run_id, sorted(left_out),
                 )  # fmt: skip
+
+    def _training_in(self, info: RendezvousInfo) -> RendezvousInfo:
+        state = self._state_holder.state
+        self._members = (state.round, frozenset(state.participants))
+        return info
 
     def _step_out(self, left_out: frozenset[int], world_size: int) -> None:
         """Leave the round as a node that the others must not wait for (no heartbeat), but not for good."""
@@ -620,7 +627,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._outage_since is not None:
             logger.warning("etcd-v3: etcd answers again after %.1f s", time.monotonic() - self._outage_since)
             self._outage_since = None
-        if waiting == 0 and self._left_behind():
+        if waiting == 0 and (self._left_behind() or self._peer_gone()):
             return 1
         return waiting
 
@@ -677,6 +684,30 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             "(an etcd outage?); restarting the worker group to re-join",
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
+        return True
+
+
+    def _peer_gone(self) -> bool:
+        """A peer of this node's round is no longer a participant: torch's heartbeat rule removed it (a node
+        killed, frozen or cut off), or it left. A peer gone silently may leave this node's workers blocked in
+        a collective that never fails (NCCL's; gloo's when the peer's connections stay open), and torch's
+        agent restarts its workers only when they fail or other nodes wait. Counting a waiting node makes it
+        stop them (their group watch abandons the blocked step) and re-form without the peer."""
+        if self._members is None:
+            return False
+        round_, members = self._members
+        state = self._state_holder.state
+        if state.round != round_:
+            return False  # a later round began: torch's own wait list speaks for it
+        gone = members - state.participants.keys()
+        if not gone:
+            return False
+        logger.warning(
+            "etcd-v3: %s of round %d of rendezvous %s left the round (stopped heartbeating or left); restarting "
+            "this node's worker group to re-form without it",
+            ", ".join(sorted(map(str, gone))), round_, self._settings.run_id,
+        )  # fmt: skip
+        self._members = None  # once per round: the agent restarts the group and re-joins
         return True
 
 

@@ -9,9 +9,10 @@ peer's connection is never closed (a partition, a host that vanished). The Pytho
 run while the training thread waits inside such a collective, so :class:`GroupWatch` reads the signal
 through :func:`signal.set_wakeup_fd` on a thread of its own.
 
-Once the agent has asked, the training thread has ``grace`` seconds to show progress (a phase change:
-it finished the step, or reached the stop agreement). A healthy group does, and stops at the next step
-boundary as every stop does; one stuck in a step or a collective is abandoned: :class:`GroupWatch` calls
+Once the agent has asked, a training thread that has made no progress (a phase change: it finished the
+step, or reached the stop agreement) for ``grace`` seconds, counted from its last progress, is stuck: a
+healthy group makes progress within a few step times, and stops at the next step boundary as every stop
+does. A step stuck in a step or a collective phase is abandoned at once: :class:`GroupWatch` calls
 ``abandon``, which keeps the live state when it is complete and ends the process as ``peer-lost``.
 """
 
@@ -60,7 +61,6 @@ class GroupWatch:
         """Set once the agent asked this worker to stop."""
         self.why = ""
         """What told this worker, for the exit line."""
-        self._told_at = 0.0
         self._thread = threading.Thread(target=self._run, name="elastic-ddp-group-watch", daemon=True)
 
     def start(self) -> GroupWatch:
@@ -94,7 +94,7 @@ class GroupWatch:
             if not self.stopping.is_set():
                 self._notice()
                 continue
-            stuck_s = time.monotonic() - max(self._watchdog.since, self._told_at)
+            stuck_s = time.monotonic() - self._watchdog.since  # since the last progress, before the word too
             if self._watchdog.phase in STUCK_PHASES and stuck_s > self._grace():
                 logger.warning("the agent stops the group (%s) and this rank made no progress in phase %r for %.1f s: "
                                "a peer is gone; abandoning the step", self.why, self._watchdog.phase.value, stuck_s)
@@ -104,7 +104,7 @@ class GroupWatch:
     def _notice(self) -> None:
         why = self._signal_received()
         if why:
-            self.why, self._told_at = why, time.monotonic()
+            self.why = why
             self.stopping.set()
 
     def _signal_received(self) -> str:

@@ -27,7 +27,7 @@ from chaos.netns import unavailable
 from chaos.report import build_report, markdown, write_report
 from chaos.runner import RunOptions, run_scenario
 from chaos.scenario import Scenario, load_scenario, parse_scenario
-from chaos.verify import Check, RunFacts, run_checks
+from chaos.verify import Check, RunFacts, all_fault_metrics, run_checks
 from elastic_ddp.events import Event, read_events
 
 pytestmark = pytest.mark.integration
@@ -157,6 +157,39 @@ def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a
     assert ("node0", resumes[0].step, "rescue") in kept or ("node0", resumes[0].step, "due") in kept, text
     last_before = max(step.step for step in facts.steps if step.time < killed.fired_at)
     assert last_before - resumes[0].step <= 1, f"steps redone: {last_before - resumes[0].step}\n{text}"
+
+
+def test_a_survivor_blocked_in_a_collective_recovers_within_2_s_of_one_whose_collective_fails(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """NCCL's case on gloo: node1 frozen (SIGSTOP of its agent and worker), so its connections stay open and
+    node0's all-reduce blocks instead of failing, against node1 killed (its connections close, the
+    all-reduce fails at once). With the default 45 s watchdog, what ends the blocked step is the control
+    plane: node1's heartbeats stop, torch's rule drops it from the round, node0's agent learns it from the
+    rendezvous and stops its worker, whose group watch abandons the step and keeps its state. The survivor's
+    first step after the fault comes at most 2 s later than after the kill, with no more steps redone."""
+    job = {**REPLICA_JOB, "args": ["--optim-warmup-steps", "5", "--global-batch-size", "256", "--model-hidden-dim", "512",
+                                   "--dist-collective-timeout-s", "120"]}
+    cluster = {**TWO_NODES, "nodes": "1:2", "prefork": False}  # SIGSTOP must reach the worker, not a launcher
+    outcomes = {}
+    for kind, fault in (("raises", {"kind": "kill-node", "at_step": 60, "target": "node:1"}),
+                        ("blocks", {"kind": "hang-node", "at_step": 60, "target": "node:1", "duration_s": 8})):
+        scenario = parse_scenario({"name": f"peer-{kind}", "description": f"node1's loss, the survivor's collective {kind}",
+                                   "timeout_s": 300, "job": job, "cluster": cluster, "faults": [fault]}, kind)
+        facts, checks, text = run(scenario, tmp_path / kind, cache_dir)
+        assert not failures(checks), text
+        figures = all_fault_metrics(facts)[0]
+        assert figures.first_step_s is not None and figures.steps_redone is not None, text
+        outcomes[kind] = (figures.first_step_s, figures.steps_redone, text)
+        print(f"{kind}: detect {figures.detect_s}, agents {figures.agents_rendezvous_s}, group {figures.rendezvous_s}, "
+              f"first step {figures.first_step_s}, redone {figures.steps_redone}")
+        if kind == "blocks":
+            exits = [event for event in facts.events if event.kind == "exit" and event.node == "node0"]
+            assert exits and exits[0].reason == "peer-lost", text  # not hang: the watchdog did not end it
+    (raised_at, raised_redone, _), (blocked_at, blocked_redone, text) = outcomes["raises"], outcomes["blocks"]
+    print(f"first step after the fault: raised {raised_at:.2f} s, blocked {blocked_at:.2f} s; "
+          f"steps redone: raised {raised_redone}, blocked {blocked_redone}")
+    assert blocked_at <= raised_at + 2.0, f"blocked {blocked_at:.1f} s vs raised {raised_at:.1f} s\n{text}"
+    assert blocked_redone <= max(raised_redone, 1), f"redone {blocked_redone} vs {raised_redone}\n{text}"
 
 
 def test_when_every_node_holding_the_replicas_is_killed_the_job_falls_back_to_the_committed_checkpoint(

@@ -131,6 +131,34 @@ def test_without_leaving_the_survivor_waits_for_the_departed_node(etcd_server: E
         handler.shutdown()
 
 
+def test_a_survivors_poll_counts_a_waiting_node_once_a_peer_of_its_round_stopped_heartbeating(
+        etcd_server: EtcdServer) -> None:
+    """A peer gone silently (a node frozen or cut off, whose connections stay open) is removed from the round
+    by torch's heartbeat rule, but a survivor whose collective blocks instead of failing never restarts for
+    it. The survivor's poll counts a waiting node once the peer is removed, so its agent stops the workers
+    (whose group watch abandons the blocked step) and re-forms without the peer."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
+    run_id = uuid.uuid4().hex[:8]
+    silent, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
+                                                                    local_addr="127.0.0.1", **conf)) for _ in range(2))
+    sizes: list[int] = []
+    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (silent, survivor)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sizes == [2, 2]
+    assert survivor.num_nodes_waiting() == 0
+    silent._stop_heartbeats()
+    stopped = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - stopped < 10, "the survivor's poll never saw its peer gone"
+        time.sleep(0.1)
+    assert time.monotonic() - stopped < 2 * 1 + 1 + 1  # the heartbeat rule (2 s), a heartbeat's lag, a poll
+    assert survivor.next_rendezvous().world_size == 1
+    survivor.shutdown()
+
+
 def test_a_node_joins_once_its_fork_server_is_warm(etcd_server: EtcdServer) -> None:
     """While this agent's fork server imports (it listens on its warming socket: here the test holds
     that socket), the node does not join; it does at once when the socket closes."""

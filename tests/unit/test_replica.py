@@ -19,10 +19,11 @@ from tests.unit.test_checkpoint_local import advance, make_state
 
 
 def replicas(root: Path, manager: CheckpointManager, events: EventLog | None = None, generation: int = 1,
-             rank: int = 0, world_size: int = 1) -> Replicas:
+             rank: int = 0, world_size: int = 1, agent: str = "") -> Replicas:
     """Rank ``rank`` of ``world_size`` on node 0 (its ``rank``-th worker: rank 0 writes the node's replicas)."""
     return Replicas(str(root), run_id="unit", checkpoint_uri=manager.uri, rank=rank, world_size=world_size,
-                    local_rank=rank, node_rank=0, token=manager.token, every=1, events=events, generation=generation)
+                    local_rank=rank, node_rank=0, token=manager.token, every=1, events=events, generation=generation,
+                    agent=agent)
 
 
 def replicate(state: TrainState, node: Replicas, steps: int = 1) -> None:
@@ -121,6 +122,25 @@ def test_a_new_launch_over_an_empty_checkpoint_location_ignores_replicas_of_an_e
                            replicas=replicas(tmp_path / "shm", storage, generation=0)) is None
     restored = storage.restore(make_state(seed=1), replicas=replicas(tmp_path / "shm", storage, generation=1))
     assert restored is not None and (restored.step, restored.source) == (3, "replica")
+
+
+def test_a_re_formation_by_the_same_agent_uses_its_replicas_before_any_checkpoint(tmp_path: Path) -> None:
+    """torchrun restarts the workers of a membership change without counting a restart (generation 0): the
+    agent that started the earlier group is what tells the re-formation from a new launch."""
+    state = make_state()
+    storage = CheckpointManager(str(tmp_path / "ckpt"), rank=0, world_size=1, run_id="unit")
+    node = replicas(tmp_path / "shm", storage, generation=0, agent="4242-1796280000.125")
+    advance(state, 2)
+    replicate(state, node)
+    node.close()
+    again = replicas(tmp_path / "shm", storage, generation=0, agent="4242-1796280000.125")
+    restored = storage.restore(make_state(seed=1), replicas=again)
+    assert restored is not None and (restored.step, restored.source) == (3, "replica")
+    other = replicas(tmp_path / "shm", storage, generation=0, agent="4243-1796280999.5")  # a new launch's agent
+    assert storage.restore(make_state(seed=1), allow_fresh_start=True, replicas=other) is None
+    again.discard()
+    other.discard()
+    assert not list((tmp_path / "shm").iterdir())
 
 
 def test_replicas_of_another_checkpoint_location_are_not_candidates(tmp_path: Path) -> None:
