@@ -7,13 +7,20 @@ Each node is a ``torchrun`` agent in its own process group (:mod:`chaos.cluster`
 rendezvous through ``etcd-v3`` on an embedded etcd (started on 127.0.0.1 when ``--etcd`` names
 none) or through ``c10d``. Node logs go to ``--workdir``. The command returns when every node
 exited: 0 if all exited 0. Ctrl-C (or SIGTERM) stops every node and the embedded etcd.
+
+A work directory serves one launch at a time (a lock file). Launched again on it, the job goes on from
+its checkpoints: the embedded etcd starts empty (the previous launch's rendezvous, closed when that job
+finished, is not this one's), and the previous launch's node logs become ``nodeN.previous.log``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
+import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -74,6 +81,8 @@ def launch(args: argparse.Namespace) -> int:
         raise ScenarioError(f"--etcd {args.etcd!r}: {', '.join(map(repr, bad))} is not HOST:PORT")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="elastic-ddp-launch-"))
     with ExitStack() as stack:
+        _hold(workdir, stack)
+        _set_aside_previous_launch(workdir)
         endpoint = _rendezvous_endpoint(args, workdir, stack)
         conf = ETCD_CONF if args.rdzv_backend == "etcd-v3" else RDZV_CONF
         spec = JobSpec(script=command[0], args=command[1:], nnodes=args.nodes, nproc_per_node=args.nproc_per_node,
@@ -86,6 +95,35 @@ def launch(args: argparse.Namespace) -> int:
               f"{spec.rdzv_endpoint}, workers start {start_mode}; node logs in {workdir}", file=sys.stderr)
         codes = _wait(cluster, args.timeout_s)
     return _summarize(cluster, codes)
+
+
+def _hold(workdir: Path, stack: ExitStack) -> None:
+    """Take the work directory for this launch, or refuse in one line when another launch holds it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = stack.enter_context(open(workdir / "launch.lock", "a+"))  # noqa: SIM115 - closed by the stack
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise ScenarioError(f"--workdir {workdir} is in use by another launch (pid {lock.read().strip() or '?'}); "
+                            "wait for it to end or choose another directory") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+
+
+def _set_aside_previous_launch(workdir: Path) -> None:
+    """What a finished launch left that is not the job's state: its embedded etcd's data and its node logs."""
+    old_etcd = sorted(workdir.glob("etcd-*"))
+    for path in old_etcd:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    logs = sorted(path for path in workdir.glob("node*.log") if not path.name.endswith(".previous.log"))
+    for log in logs:
+        log.replace(log.with_name(log.stem + ".previous.log"))
+    if old_etcd or logs:
+        print(f"{workdir}: the previous launch's embedded etcd data removed and its node logs kept as "
+              "nodeN.previous.log; the job goes on from its checkpoints", file=sys.stderr)
 
 
 def _rendezvous_endpoint(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> str:

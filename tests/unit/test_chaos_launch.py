@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
 from chaos.cluster import JobSpec
-from chaos.launch import add_arguments, launch, node_range
+from chaos.launch import _hold, add_arguments, launch, node_range
 from chaos.scenario import ScenarioError
 
 
@@ -67,3 +70,12 @@ def test_scenarios_start_workers_warm_unless_a_hang_fault_needs_plain_processes(
 def test_bad_launch_values_are_refused_before_anything_starts(flags: list[str], named: str) -> None:
     with pytest.raises(ScenarioError, match=named):
         launch(parse("--nodes", "1:2", *flags, "--", "examples/train.py"))
+
+
+def test_a_work_directory_serves_one_launch_at_a_time(tmp_path: Path) -> None:
+    with ExitStack() as first:
+        _hold(tmp_path, first)
+        with ExitStack() as second, pytest.raises(ScenarioError, match=f"in use by another launch \\(pid {os.getpid()}\\)"):
+            _hold(tmp_path, second)
+    with ExitStack() as third:  # released with the first launch
+        _hold(tmp_path, third)
