@@ -3,7 +3,7 @@
   elastic-ddp ckpt ls URI                  every step directory: step, time, size, world size, valid?
   elastic-ddp ckpt inspect URI [--json]    the newest valid checkpoint (or URI/step-N): position and digests
   elastic-ddp ckpt verify URI [--step N]   re-hash every file; non-zero exit naming the first bad file
-  elastic-ddp ckpt export URI [--step N] --to model.safetensors|model.pt [--what model|optimizer|all]
+  elastic-ddp ckpt export URI [--step N] --to model.safetensors|model.pt [--force] [--what model|optimizer|all]
                                            the newest committed checkpoint's (or step N's) model as a
                                            plain state_dict file, verified before it is written
   elastic-ddp ckpt rm URI --step N [--dry-run]          delete one step directory
@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -163,7 +164,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    suffix = export.check_target(args.to)
+    suffix = export.check_target(args.to, force=args.force)
     root, step = _split_uri(args.uri)
     step = args.step if args.step is not None else step
     manager = _manager(root, args.options)
@@ -275,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_.add_argument("--step", type=int, help="export this step (default: the newest committed)")
     export_.add_argument("--to", required=True, metavar="FILE",
                          help="output: FILE.safetensors (safetensors.torch.load_file) or FILE.pt (torch.load(weights_only=True))")
+    export_.add_argument("--force", action="store_true", help="replace the output file if it exists")
     export_.add_argument("--what", choices=export.PARTS, default="model",
                          help="model (default): the model's state_dict; optimizer: its state_dict; all: the replicated state")
     export_.set_defaults(func=cmd_export)
@@ -321,10 +323,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.options = _parse_options(args.storage_options)
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe is found here, not at interpreter exit
+        return status
     except ElasticDDPError as exc:
         print(f"elastic-ddp: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader stopped (``elastic-ddp ckpt ls | head``): end as a piped Unix tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -31,12 +31,22 @@ class ExportError(CheckpointError):
     """What ``ckpt export`` cannot do with the checkpoint it was given (the message says what to do instead)."""
 
 
-def check_target(path: str) -> str:
-    """The output's kind (its suffix); ExportError for any other suffix."""
-    for suffix in SUFFIXES:
-        if path.endswith(suffix):
-            return suffix
-    raise ExportError(f"--to {path}: the output must end in .safetensors or .pt")
+def check_target(path: str, force: bool = False) -> str:
+    """The output's kind (its suffix), before anything is read. ExportError for any other suffix, a directory
+    that does not exist or cannot be written, or an existing file without ``force``."""
+    suffix = next((suffix for suffix in SUFFIXES if path.endswith(suffix)), None)
+    if suffix is None:
+        raise ExportError(f"--to {path}: the output must end in .safetensors or .pt")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ExportError(f"--to {path}: the directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ExportError(f"--to {path}: the directory {directory} is not writable")
+    if os.path.isdir(path):
+        raise ExportError(f"--to {path}: is a directory")
+    if os.path.exists(path) and not force:
+        raise ExportError(f"--to {path}: the file exists; pass --force to replace it")
+    return suffix
 
 
 def select(replicated: Any, what: str, where: str) -> Any:
@@ -105,7 +115,10 @@ def _write_atomically(path: str, write: Any, check: Any) -> int:
     except BaseException:
         unlink_quietly(temp)
         raise
-    fsync_dir(directory)
+    try:
+        fsync_dir(directory)
+    except OSError as exc:  # the file is in place; a directory that cannot be synced is worth a word, not a failure
+        print(f"elastic-ddp: warning: {path} written, but syncing {directory} failed: {exc}", file=sys.stderr)
     return os.path.getsize(path)
 
 

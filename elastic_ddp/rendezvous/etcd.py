@@ -803,8 +803,31 @@ def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None
     logger.info("etcd-v3: etcd %s answered at %s", status.version, status.endpoint)
 
 
+V2_API_MISSING = (
+    "--rdzv-backend=etcd (and etcd-v2) speak etcd's v2 API, which this etcd does not serve (404: etcd 3.6 removed "
+    "it, and 3.4 and 3.5 serve it only with --enable-v2); use --rdzv-backend=etcd-v3, which speaks the v3 API"
+)
+
+
+def _v2_api_missing(value: BaseException) -> bool:
+    """torch's own etcd backends (python-etcd, the v2 API) failing because the server has no v2 API."""
+    return type(value).__module__.split(".")[0] == "etcd" and "404" in str(value)
+
+
+def _torchrun_argument_check(value: BaseException, traceback: Any) -> bool:
+    """An ``AssertionError`` raised by torchrun's own argument checks (``config_from_args``: ``--nnodes 3:1``)."""
+    if not isinstance(value, AssertionError) or traceback is None:
+        return False
+    while traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    code = traceback.tb_frame.f_code
+    return code.co_name == "config_from_args" and code.co_filename.replace(os.sep, "/").endswith("torch/distributed/run.py")
+
+
 def report_own_errors_in_one_line() -> None:
-    """In torchrun's process, print an uncaught rendezvous error of this package as one line.
+    """In torchrun's process, print an uncaught rendezvous error of this package as one line, say which
+    backend to use when torch's v2-API etcd backend meets an etcd without that API, and print torchrun's own
+    argument checks (``--nnodes 3:1``) as the one-line usage errors they are.
 
     torchrun lets an exception from creating the handler reach the interpreter, which prints the
     whole traceback; these errors name what is wrong and what to do in their message. Any other
@@ -815,6 +838,14 @@ def report_own_errors_in_one_line() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if isinstance(value, EtcdRendezvousError):
+            sys.stderr.write(f"torchrun: error: {value}\n")
+            sys.stderr.flush()
+            return
+        if _v2_api_missing(value):
+            sys.stderr.write(f"torchrun: error: {V2_API_MISSING} ({str(value).strip()})\n")
+            sys.stderr.flush()
+            return
+        if _torchrun_argument_check(value, traceback):
             sys.stderr.write(f"torchrun: error: {value}\n")
             sys.stderr.flush()
             return
@@ -842,5 +873,7 @@ def use_fresh_worker_store() -> None:
 
 
 def handler_factory() -> RendezvousHandlerCreator:
-    """Entry point ``torchrun.handlers: etcd-v3``: returns the handler creator."""
+    """Entry point ``torchrun.handlers: etcd-v3``: returns the handler creator. torchrun loads it whatever the
+    backend, so this is also where its one-line error reports are installed."""
+    report_own_errors_in_one_line()
     return create_rdzv_handler

@@ -238,6 +238,30 @@ def test_torchrun_with_no_etcd_at_the_endpoint_fails_within_15_s_in_one_line_nam
     assert lines[0].startswith("torchrun: error: etcd-v3: no etcd member answered at %s" % endpoint)
 
 
+def test_torchs_v2_etcd_backend_on_an_etcd_without_v2_says_to_use_etcd_v3_in_one_line(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+                             "--rdzv-backend=etcd", f"--rdzv-endpoint={etcd_server.endpoint}", "--rdzv-id=v2",
+                             str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("torchrun: error:")]
+    assert len(errors) == 1 and "use --rdzv-backend=etcd-v3" in errors[0] and "404" in errors[0], result.stderr[-3000:]
+
+
+def test_a_reversed_node_range_is_one_usage_line_not_a_traceback(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("pass\n")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=3:1", "--nproc-per-node=1",
+                             "--rdzv-backend=etcd-v3", "--rdzv-endpoint=127.0.0.1:2379", str(script)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "torchrun: error: min_nodes must be > 0 and <= max_nodes, got min_nodes=3, max_nodes=1"], result.stderr[-3000:]
+
+
 def test_a_first_contact_within_connect_timeout_is_enough(etcd_server: EtcdServer) -> None:
     handler = get_rendezvous_handler(params(etcd_server.endpoint, "contact", 1, connect_timeout="1"))
     assert isinstance(handler, DynamicRendezvousHandler)

@@ -209,3 +209,38 @@ def test_export_of_a_sharded_optimizer_says_what_the_replicated_file_holds() -> 
     with pytest.raises(ExportError, match=r"sharded over the rank files.*--what model.*--what all"):
         select({"model": {}, "optimizer_groups": [{"lr": 0.1}]}, "optimizer", "ckpt/step-00000010")
     assert select({"model": {}, "optimizer_groups": []}, "all", "w") == {"model": {}, "optimizer_groups": []}
+
+
+def test_export_keeps_an_existing_file_unless_forced(root: Path, out: Path, capsys) -> None:
+    target = out / "model.pt"
+    target.write_bytes(b"mine")
+    assert _export(root, target) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"elastic-ddp: error: --to {target}: the file exists; pass --force to replace it"]
+    assert target.read_bytes() == b"mine"
+    assert _export(root, target, "--force") == 0
+    assert target.read_bytes() != b"mine"
+
+
+def test_export_to_a_directory_that_does_not_exist_is_one_line(root: Path, out: Path, capsys) -> None:
+    target = out / "missing" / "model.pt"
+    assert _export(root, target) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"elastic-ddp: error: --to {target}: the directory {target.parent} does not exist"]
+
+
+def test_ls_into_a_reader_that_stopped_ends_quietly(root: Path) -> None:
+    """``elastic-ddp ckpt ls | head``: a reader that stopped reading is no traceback; the status is a piped Unix
+    tool's (128 + SIGPIPE)."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        result = subprocess.run([sys.executable, "-m", "elastic_ddp.cli", "ckpt", "ls", str(root)], stdout=write,
+                                stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write)
+    assert result.stderr == "" and result.returncode == 141, result.stderr[-2000:]
