@@ -84,6 +84,57 @@ FIELDS: Mapping[Event, tuple[str, ...]] = {
 }
 """The fields each kind always carries, besides the common ones (docs/design.md, "Events", says what each means)."""
 
+WRITTEN: Mapping[Event, tuple[str, str]] = {
+    Event.PROCESS_GROUP_FORMED: (
+        "every rank, once the process group formed (the library path: when its runtime starts)",
+        "`world_size`, `backend`, `store` (the workers' store, `host:port`), `agent_store` (it is torchrun's "
+        "long-lived agent store), `restart_count` (torchrun's)"),
+    Event.STARTED_FRESH: (
+        "every rank, at step 0",
+        "`world_size`, `reason`: `no-checkpoint` (none under the root), `no-valid-checkpoint` (none verified; "
+        "`--checkpoint-allow-fresh-start`), `no-checkpoint-dir`, `resume-disabled` (`--no-checkpoint-resume`)"),
+    Event.RESUMED: (
+        "every rank, after loading (`CheckpointManager.restore`)",
+        "`step`, `path` (the step directory, or the node's replica directory), `saved_world_size`, `world_size` "
+        "(now), `rank_state_reused` (same world size: the rank's own RNG streams), `source` (`storage` or `replica`)"),
+    Event.RESTORE_FAILED: (
+        "each rank whose restore raised (nothing valid and no fresh start allowed, a refused fingerprint, a file "
+        "that changed after rank 0 verified it)", "`error`"),
+    Event.CHECKPOINT_SKIPPED: (
+        "rank 0, for each committed checkpoint that does not verify on restore",
+        "`step`, `path`, `reason` (the file and what is wrong with it)"),
+    Event.COMMITTED: ("rank 0, when the manifest is written", "`step`, `path`, `world_size`, `files`, `bytes`"),
+    Event.REPLICA_SAVED: (
+        "each node's first worker, when its replica's manifest is written; a survivor, when it kept its live "
+        "state after a peer's loss",
+        "`step`, `path` (the slot or rescue directory), `token` (the launch's writer token), `interval` (steps to "
+        "the next replica, as agreed; 0 for a rescue), `reason` (`due` or `rescue`)"),
+    Event.UNCOMMITTED: ("rank 0, when restore sets a damaged checkpoint's manifest aside", "`step`, `path`, `reason`"),
+    Event.SAVE_FAILED: (
+        "every rank, when a save raises (sync or background; the same outcome on every rank)", "`step`, `error`"),
+    Event.STOP_REQUESTED: (
+        "the rank that was asked (signal, spot notice), at the next step boundary",
+        "`reason` (`signal:SIGTERM`, `spot-notice`, ...)"),
+    Event.STOP_AGREED: (
+        "every rank, at the step where the agreement stops the run",
+        "`step`, `reason` (`preempted` on a rank that was asked, `peer-lost` on the others), `source` (what asked "
+        "this rank, or `peer`)"),
+    Event.WATCHDOG_FIRED: (
+        "the rank whose watchdog expired, before it exits",
+        "`phase`, `reason` (`hang:<phase>`, `save-deadline`), `stuck_s`, `limit_s`"),
+    Event.LR_HORIZON_CHANGED: ("rank 0, on a resume that moves the LR schedule's horizon", "`step`, `saved`, `now`"),
+    Event.DONE: (
+        "every rank, when training ended normally",
+        "`step`, `epoch`, `model_digest`, `data_digest`, `loss`, `accuracy` and `metrics` (the final evaluation, "
+        "rank 0; the library path's `Runtime.report_done` may pass them)"),
+    Event.EXIT: (
+        "every rank, last",
+        "`reason`, `status` (`ExitReason`), `detail` (the stop source, the watchdog's message, the peer loss), "
+        "`error` (the error that ended it, when one did; an exception the runtime does not handle is `reason` "
+        "`error`, `status` 1)"),
+}
+"""Who writes each kind and when, and what its fields mean (docs/reference.md is generated from it)."""
+
 COMMON = ("time", "event", "run_id", "rank", "host", "pid")
 """The fields of every record."""
 
