@@ -26,7 +26,7 @@ import pytest
 from chaos.netns import unavailable
 from chaos.report import build_report, markdown, write_report
 from chaos.runner import RunOptions, run_scenario
-from chaos.scenario import Scenario, load_scenario, parse_scenario
+from chaos.scenario import Scenario, load_scenario, parse_scenario, with_script
 from chaos.verify import Check, RunFacts, all_fault_metrics, run_checks
 from elastic_ddp.events import Event, read_events
 
@@ -157,6 +157,19 @@ def test_a_node_killed_between_checkpoints_costs_no_step_its_replacement_loads_a
     assert ("node0", resumes[0].step, "rescue") in kept or ("node0", resumes[0].step, "due") in kept, text
     last_before = max(step.step for step in facts.steps if step.time < killed.fired_at)
     assert last_before - resumes[0].step <= 1, f"steps redone: {last_before - resumes[0].step}\n{text}"
+
+
+def test_the_library_path_passes_kill_worker_with_the_trainers_checks(tmp_path: Path, cache_dir: Path) -> None:
+    """The kill-worker scenario training examples/byo_loop/train.py (a hand-written loop on the runtime): the same
+    verifier, and the same recovery as the trainer path: it resumes from node memory (the survivor's rescue, or
+    its replica of that very step) with at most the interrupted step redone."""
+    scenario = with_script(load_scenario("kill-worker"), "examples/byo_loop/train.py")
+    facts, checks, text = run(scenario, tmp_path, cache_dir)
+    assert not failures(checks), text
+    figures = all_fault_metrics(facts)[0]
+    assert figures.steps_redone is not None and figures.steps_redone <= 1, text
+    resumed = [event for event in facts.events if event.kind == "resumed" and event.rank == 0]
+    assert resumed and resumed[-1].source == "replica", text
 
 
 def test_a_survivor_blocked_in_a_collective_recovers_within_2_s_of_one_whose_collective_fails(
