@@ -1,7 +1,9 @@
 """The two doors side by side: the trainer path and the library path through the same chaos scenarios.
 
 How to run:
-  .venv/bin/python benchmarks/paths.py [--repeats 3] [--scenarios kill-worker,spot-day] [--workdir DIR]
+  .venv/bin/python benchmarks/paths.py [--repeats 3] [--scenarios kill-worker,spot-day:1] [--workdir DIR]
+
+``NAME:N`` runs that scenario N times instead of ``--repeats``.
 
 For each scenario, each repeat runs it twice in a row, in alternating order: once training the scenario's own
 script (``examples/train.py``, the trainer path) and once training ``examples/byo_loop/train.py`` (the library
@@ -66,15 +68,17 @@ def ratio(library: list[float], trainer: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scenarios", default="kill-worker,spot-day")
+    parser.add_argument("--scenarios", default="kill-worker,spot-day:1")
     parser.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
     args = parser.parse_args(argv)
-    names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    wanted = [item.strip().partition(":") for item in args.scenarios.split(",") if item.strip()]
+    repeats = {name: int(count) if count else args.repeats for name, _, count in wanted}
+    names = list(repeats)
     results: dict[tuple[str, str], list[dict[str, Any]]] = {(name, path): [] for name in names for path in PATHS}
     with tempfile.TemporaryDirectory(prefix="paths-") as temporary:
         root = Path(args.workdir or temporary)
         for name in names:
-            for repeat in range(args.repeats):
+            for repeat in range(repeats[name]):
                 order = PATHS if repeat % 2 == 0 else PATHS[::-1]
                 for path in order:
                     started = time.monotonic()
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                           f" in {time.monotonic() - started:.0f} s; first step {result['first_step_s']} s, redone "
                           f"{result['steps_redone']}, goodput after start-up {result['goodput_after_startup']:.3f}",
                           file=sys.stderr, flush=True)
-    print(f"\n{args.repeats} repeat(s), {time.strftime('%Y-%m-%d')}; medians (min–max); library / trainer\n")
+    counts = ", ".join(f"{name} x{count}" for name, count in repeats.items())
+    print(f"\n{counts} per path, {time.strftime('%Y-%m-%d')}; medians (min–max); library / trainer\n")
     print("| scenario | measure | trainer path | library path | ratio |")
     print("|---|---|---|---|---|")
     all_passed = True
