@@ -30,15 +30,9 @@ def _one_line_exit(output: str, log_dir: Path, status: int, *named: str) -> None
 
 @pytest.mark.parametrize(
     ("mistake", "named"),
-    [
+    [  # one refused at the first step, one as the parts are made; tests/unit/test_parts.py has every kind
         ("scalar-loss", ('reduction="none"', "WeightedLoss")),
-        ("wide-loss", ("[4, 3]", "[4]")),
-        ("short-loss", ("[3]", "[4]")),
         ("optimizer-none", ("optimizer", "NoneType", "torch.optim.Optimizer")),
-        ("scheduler-42", ("scheduler", "int")),
-        ("state-no-load", ("state['counter']", "load_state_dict")),
-        ("no-targets", ("(inputs, targets)", "Tensor")),
-        ("fingerprint-not-json", ("fingerprint", "corpus", "JSON")),
     ],
 )
 def test_a_trainer_path_mistake_exits_2_in_one_line_before_training(mistake: str, named: tuple[str, ...],
