@@ -21,14 +21,20 @@ def _module_name(path: Path) -> str:
 def _imports(path: Path) -> set[str]:
     """The elastic_ddp modules ``path`` imports (``from elastic_ddp.x import y`` names ``elastic_ddp.x.y`` when that
     is a module, else ``elastic_ddp.x``)."""
+    return {name for name in _imported_names(path, with_members=True) if name in MODULES}
+
+
+def _imported_names(path: Path, with_members: bool = False) -> set[str]:
+    """Every module name ``path`` imports (and, ``with_members``, each ``from X import y`` as ``X.y`` too)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name in MODULES}
+            if with_members:
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
 
 
 MODULES = {_module_name(path) for path in PACKAGE.rglob("*.py")}
@@ -65,7 +71,7 @@ def test_no_module_of_a_package_imports_itself_back(package: str) -> None:
 )
 def test_a_layer_never_imports_what_is_built_on_it(layer: str, never: tuple[str, ...]) -> None:
     offending = {
-        path.name: sorted(name for name in _imports_any(path) if name.startswith(never))
+        path.name: sorted(name for name in _imported_names(path) if name.startswith(never))
         for path in PACKAGE.rglob("*.py") if _module_name(path).startswith(layer)
     }
     assert {name: found for name, found in offending.items() if found} == {}
@@ -76,15 +82,6 @@ def test_the_graph_sees_the_package() -> None:
     assert {"elastic_ddp.checkpoint.manager", "elastic_ddp.checkpoint.replica", "elastic_ddp.runtime"} <= set(GRAPH)
     assert "elastic_ddp.checkpoint.files" in GRAPH["elastic_ddp.checkpoint.remote"]
 
-
-def _imports_any(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
 
 
 def test_the_public_api_is_one_import_and_every_name_resolves() -> None:
