@@ -33,13 +33,16 @@ from chaos.scenario import load_scenario, with_script  # noqa: E402
 from chaos.verify import run_checks  # noqa: E402
 
 LIBRARY = "examples/byo_loop/train.py"
+LIBRARY_ARGS = ["--hidden", "512", "--batch-size", "256"]
+"""The library path's job sized as the scenarios' trainer-path job (hidden 512, a global batch of 256), so that
+a fault's stall is the same share of the run on both paths."""
 PATHS = ("trainer", "library")
 
 
 def run_once(name: str, path: str, workdir: Path, cache: Path) -> dict[str, Any]:
     scenario = load_scenario(name)
     if path == "library":
-        scenario = with_script(scenario, LIBRARY)
+        scenario = with_script(scenario, LIBRARY, LIBRARY_ARGS)
     facts = run_scenario(scenario, RunOptions(workdir=workdir, cache_dir=cache, progress=None))
     checks = run_checks(facts)
     report = build_report(scenario, facts, checks)

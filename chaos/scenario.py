@@ -205,7 +205,8 @@ class ClusterConfig:
     checkpoint: str = "local"
     """``local`` (a directory in the run's work directory) or ``s3`` (embedded endpoint)."""
     max_restarts: int = 30
-    """``torchrun --max-restarts``: every failure, join and departure consumes one."""
+    """``torchrun --max-restarts``: a worker that fails or stops early (a failure, a departure) consumes one of its
+    node's; a join, which restarts the groups without a failure, consumes none."""
     prefork: bool = True
     """Workers start through :mod:`elastic_ddp.prefork`: restarts skip importing torch."""
     network: str = "loopback"

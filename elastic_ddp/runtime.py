@@ -294,7 +294,7 @@ class Runtime:
         try:
             if exc is None:
                 self.finish()
-                if self.stop_reason is None and not self._done_reported:
+                if self.stop_reason is None and self._restored and not self._done_reported:
                     self.report_done()
                 self.exit_status = log_exit(self.stop_reason or ExitReason.DONE, self.stop.reason or "", self.events)
                 leave_job(self.stop.reason)

@@ -45,18 +45,21 @@ def test_s3_outage_during_async_save_stops_every_rank_and_keeps_the_previous_che
     assert facts["step"] % 20 == 0 and facts["step"] >= 40
 
 
-def test_a_background_save_failing_on_one_rank_stops_every_rank_at_the_same_step(tmp_path) -> None:
+@pytest.mark.parametrize("path", ["trainer", "library"])
+def test_a_background_save_failing_on_one_rank_stops_every_rank_at_the_same_step(path: str, tmp_path) -> None:
     """Rank 1's files of step 100 cannot be written. Before, each rank raised the failure at whichever step
-    it happened to look, and the other waited in the next all-reduce until the collective timeout."""
+    it happened to look, and the other waited in the next all-reduce until the collective timeout. Both paths
+    (the library path: examples/byo_loop/train.py) vote the same way."""
     from tests.jobs import REPO, run
 
     script = str(REPO / "tests" / "fixtures" / "failing_save_train.py")
     logs = tmp_path / "logs"
-    result = run(TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", script, *BASE_ARGS,
+    own = [*BASE_ARGS, "--dist-collective-timeout-s", "60", "--log-progress", "off"] if path == "trainer" else []
+    result = run(TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", script, *own,
                              "--max-steps", "100000", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50",
-                             "--dist-collective-timeout-s", "60", "--log-progress", "off", "--log-every", "10",
-                             "--log-dir", str(logs)],
-                 timeout=120, env={"FAIL_SAVE_STEP": "100"})
+                             "--log-every", "10", "--log-dir", str(logs)],
+                 timeout=120, env={"FAIL_SAVE_STEP": "100",
+                                   "SCRIPT": "examples/train.py" if path == "trainer" else "examples/byo_loop/train.py"})
     assert result.returncode != 0
     assert {(event["rank"], event["step"]) for event in events(logs, "save_failed")} == {(0, 100), (1, 100)}
     exits = events(logs, "exit")
