@@ -34,6 +34,9 @@ _WHERE = {
     "CheckpointConfig": "elastic_ddp.config",
     "ResilienceConfig": "elastic_ddp.config",
     "open_events": "elastic_ddp.loop",
+    "init_process_group": "elastic_ddp.loop",
+    "shutdown_process_group": "elastic_ddp.loop",
+    "DistConfig": "elastic_ddp.config",
     "MetricsWriter": "elastic_ddp.metrics",
     "Decision": "elastic_ddp.resilience.agreement",
     # both
@@ -44,9 +47,10 @@ _WHERE = {
 }
 
 __all__ = [  # the names _WHERE maps (tests/unit/test_layers.py checks the two agree)
-    "__version__", "Built", "CheckpointConfig", "CheckpointError", "ConfigError", "Decision", "ElasticDDPError",
-    "ElasticSampler", "ExitReason", "MetricsWriter", "ResilienceConfig", "Runtime", "TrainConfig", "WeightedLoss",
-    "config_from_args", "entrypoint", "not_fingerprinted", "open_events", "run_training",
+    "__version__", "Built", "CheckpointConfig", "CheckpointError", "ConfigError", "Decision", "DistConfig",
+    "ElasticDDPError", "ElasticSampler", "ExitReason", "MetricsWriter", "ResilienceConfig", "Runtime", "TrainConfig",
+    "WeightedLoss", "config_from_args", "entrypoint", "init_process_group", "not_fingerprinted", "open_events",
+    "run_training", "shutdown_process_group",
 ]
 
 
@@ -65,11 +69,18 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from elastic_ddp.build import Built, WeightedLoss
-    from elastic_ddp.config import CheckpointConfig, ResilienceConfig, TrainConfig, config_from_args, not_fingerprinted
+    from elastic_ddp.config import (
+        CheckpointConfig,
+        DistConfig,
+        ResilienceConfig,
+        TrainConfig,
+        config_from_args,
+        not_fingerprinted,
+    )
     from elastic_ddp.data import ElasticSampler
     from elastic_ddp.entry import run_training
     from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError
-    from elastic_ddp.loop import open_events
+    from elastic_ddp.loop import init_process_group, open_events, shutdown_process_group
     from elastic_ddp.metrics import MetricsWriter
     from elastic_ddp.resilience.agreement import Decision
     from elastic_ddp.resilience.exits import ExitReason

@@ -25,7 +25,8 @@ in the seed pipeline's own loop):
                   break
       sys.exit(runtime.exit_status)
 
-Run the script under ``torchrun`` (any rendezvous backend, ``etcd-v3`` included). Give the runtime an
+Run the script under ``torchrun`` (any rendezvous backend, ``etcd-v3`` included); :func:`init_process_group`
+forms its process group the way the trainer path does. Give the runtime an
 :func:`open_events` log to have the run's events in ``<log_dir>/events.jsonl``. Decorate ``main`` with
 :func:`entrypoint`: a mistake the runtime refuses before the ``with`` block (a global batch smaller than
 the world, a fingerprint that is not JSON, an object without ``load_state_dict``) then ends in one line
@@ -36,17 +37,31 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from elastic_ddp.config import CheckpointConfig, ResilienceConfig
+from elastic_ddp.config import CheckpointConfig, DistConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv
+from elastic_ddp.distributed import DistContext, LaunchEnv, init_distributed, shutdown_distributed
 from elastic_ddp.events import EventLog
 from elastic_ddp.metrics import MetricsWriter
 from elastic_ddp.resilience.agreement import Decision
 from elastic_ddp.runtime import Runtime, entrypoint
 from elastic_ddp.state import model_digest
 
-__all__ = ["CheckpointConfig", "Decision", "ElasticSampler", "EventLog", "MetricsWriter", "ResilienceConfig", "Runtime",
-           "entrypoint", "model_digest", "open_events"]
+__all__ = ["CheckpointConfig", "Decision", "DistConfig", "DistContext", "ElasticSampler", "EventLog", "MetricsWriter",
+           "ResilienceConfig", "Runtime", "entrypoint", "init_process_group", "model_digest", "open_events",
+           "shutdown_process_group"]
+
+
+def init_process_group(config: DistConfig | None = None) -> DistContext:
+    """Form the default process group from torchrun's environment: NCCL and ``cuda:LOCAL_RANK`` when CUDA is
+    available, else gloo on the CPU (``config`` may choose), rank 0's fresh store awaited rather than polled
+    (a restart's workers meet at once), and a failure to form it within ``config.init_timeout_s`` one error
+    naming the rank, the store and the timeout. Returns the rank, world size, device and backend."""
+    return init_distributed(config or DistConfig())
+
+
+def shutdown_process_group() -> None:
+    """Destroy the default process group if there is one; safe on every exit path."""
+    shutdown_distributed()
 
 
 def open_events(log_dir: str) -> EventLog:

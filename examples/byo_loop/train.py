@@ -18,20 +18,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from elastic_ddp.loop import CheckpointConfig, ElasticSampler, MetricsWriter, ResilienceConfig, Runtime, entrypoint, open_events
+from elastic_ddp.loop import (
+    CheckpointConfig,
+    ElasticSampler,
+    MetricsWriter,
+    ResilienceConfig,
+    Runtime,
+    entrypoint,
+    init_process_group,
+    open_events,
+    shutdown_process_group,
+)
 
 
 @dataclass
@@ -98,9 +106,8 @@ def build_model(config: TrainingConfig) -> nn.Module:
 @entrypoint
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    context = init_process_group()  # NCCL on GPUs, else gloo; a restart's ranks meet at once
+    rank, world_size, device = context.rank, context.world_size, context.device
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)
     ddp = DistributedDataParallel(model)
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                "step_time_s": step_time})
             if runtime.after_step(step).stop:  # checkpoints, replicas and stops, every rank alike
                 break
-    dist.destroy_process_group()
+    shutdown_process_group()
     metrics.close()
     events.close()
     return runtime.exit_status or 0

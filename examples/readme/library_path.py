@@ -7,18 +7,24 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_ddp import CheckpointConfig, ElasticSampler, Runtime, entrypoint, open_events
+from elastic_ddp import (
+    CheckpointConfig,
+    ElasticSampler,
+    Runtime,
+    entrypoint,
+    init_process_group,
+    open_events,
+    shutdown_process_group,
+)
 
 
 @entrypoint
@@ -31,10 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--log-dir", default="")  # events.jsonl goes here
     args = parser.parse_args(argv)
-
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu")
+    context = init_process_group()  # NCCL on GPUs, else gloo; a restart's ranks meet at once
+    rank, world_size, device = context.rank, context.world_size, context.device
     torch.manual_seed(args.seed)
     inputs = torch.randn(4096, 16, generator=torch.Generator().manual_seed(1))
     dataset = TensorDataset(inputs, (inputs[:, :8].sum(1) > inputs[:, 8:].sum(1)).long())
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             if runtime.after_step(step).stop:  # checkpoints, replicas, stop requests: every rank alike
                 break
     events.close()
-    dist.destroy_process_group()
+    shutdown_process_group()
     return runtime.exit_status or 0
 
 
