@@ -12,7 +12,16 @@ from __future__ import annotations
 import typing
 from typing import Any, Literal
 
-from elastic_ddp.config import TrainConfig, _default_of, _field_docs, _leaf_fields, _section_defaults, flag_name
+from elastic_ddp.config import (
+    TrainConfig,
+    _default_of,
+    _dotted,
+    _field_docs,
+    _fingerprinted,
+    _leaf_fields,
+    _section_defaults,
+    flag_name,
+)
 from elastic_ddp.events import COMMON, WRITTEN, Event
 from elastic_ddp.resilience.exits import ExitReason
 
@@ -36,7 +45,8 @@ def _cell(text: str) -> str:
 
 def config_reference(config_class: type[TrainConfig] = TrainConfig) -> str:
     lines = ["## Flags", "", "Every flag may also be set in a `--config FILE` (TOML or JSON, sections as tables); "
-             "flags win over the file, the file over the defaults.", ""]
+             "flags win over the file, the file over the defaults. A fingerprinted value is recorded in every "
+             "checkpoint, and a resume with another value is refused.", ""]
     sections: list[tuple[str, type, dict[str, Any]]] = [
         ("", config_class, {f.name: _default_of(f) for f, _ in _leaf_fields(config_class)})]
     for section, default in _section_defaults(config_class).items():
@@ -47,10 +57,11 @@ def config_reference(config_class: type[TrainConfig] = TrainConfig) -> str:
         doc = " ".join((cls.__doc__ or "").split()) if section else ""
         if doc and not doc.startswith(cls.__name__ + "("):
             lines += [doc, ""]
-        lines += ["| flag | type | default | what it does |", "|---|---|---|---|"]
+        lines += ["| flag | type | default | fingerprinted | what it does |", "|---|---|---|---|---|"]
         docs = _field_docs(cls)
         for f, hint in _leaf_fields(cls):
-            lines.append(f"| `{flag_name(section, f.name)}` | {_kind(hint)} | `{defaults[f.name]!r}` | "
+            pinned = "yes" if _fingerprinted(_dotted(section, f.name), section, f) else ""
+            lines.append(f"| `{flag_name(section, f.name)}` | {_kind(hint)} | `{defaults[f.name]!r}` | {pinned} | "
                          f"{_cell(docs.get(f.name, ''))} |")
         lines.append("")
     return "\n".join(lines)

@@ -121,7 +121,10 @@ class Trainer:
         self.runtime = runtime
         self.watchdog = runtime.watchdog
         try:
-            runtime.restore()
+            step = runtime.restore()
+            if self.done(self.sampler.plan()):
+                self.log0.info("the run is already complete at step %d: nothing to train (raise --max-steps or "
+                               "--max-epochs to go on)", step)
             check_lr_horizon(self.state, self.config, self.events if self.context.is_main else None)
             self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             return self._run()
@@ -145,7 +148,8 @@ class Trainer:
                 data_wait = self._step(plan, batches, loss_sum)
                 step_time = time.perf_counter() - started
                 timer.add(plan.size, step_time, data_wait)
-                self._set_log_step(counters.step)
+                if self.log_context is not None:
+                    self.log_context.set_step(counters.step)  # the runtime's agreement sets the events' step
                 decision = self.runtime.agree(step_time)
                 stop_reason = decision.stop
                 if counters.step % self.config.log.every == 0:
@@ -279,14 +283,6 @@ class Trainer:
         if self._empty_batch is None:
             self._empty_batch = [t[:0] for t in default_collate([self.train_data[0]])]
         return self._empty_batch
-
-    # -- logging, eval, checkpoints ------------------------------------------------
-
-    def _set_log_step(self, step: int) -> None:
-        self.events.set_step(step)
-        if self.log_context is not None:
-            self.log_context.set_step(step)
-
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
