@@ -35,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -326,7 +327,22 @@ def check_endpoint(endpoint: str, timeout_s: float) -> str:
             health = json.loads(response.read()).get("health")
     except (OSError, ValueError) as exc:
         return f"OK {dialled_ms:.1f} ms (TCP; /health did not answer: {exc})"
-    return f"OK {dialled_ms:.1f} ms" if health == "true" else f"etcd /health says {health!r}"
+    if health != "true":
+        return f"etcd /health says {health!r}"
+    return f"OK {dialled_ms:.1f} ms" + _v2_api_note(endpoint, timeout_s)
+
+
+def _v2_api_note(endpoint: str, timeout_s: float) -> str:
+    """What the endpoint's etcd means for torch's own etcd backends, which need the v2 API (etcd 3.6 removed it)."""
+    try:
+        urllib.request.urlopen(f"http://{endpoint}/v2/keys/", timeout=timeout_s).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return "; this etcd has no v2 API: use --rdzv-backend=etcd-v3 (torch's etcd and etcd-v2 backends need v2)"
+        return ""
+    except (OSError, ValueError):
+        return ""
+    return ""
 
 
 COMPUTE_ROUNDS = 30

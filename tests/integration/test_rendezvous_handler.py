@@ -251,6 +251,13 @@ def test_torchs_v2_etcd_backend_on_an_etcd_without_v2_says_to_use_etcd_v3_in_one
     assert len(errors) == 1 and "use --rdzv-backend=etcd-v3" in errors[0] and "404" in errors[0], result.stderr[-3000:]
 
 
+def test_the_doctor_says_when_an_etcd_has_no_v2_api_and_which_backend_to_use(etcd_server: EtcdServer) -> None:
+    from elastic_ddp.doctor import check_endpoint
+
+    report = check_endpoint(etcd_server.endpoint, timeout_s=5)
+    assert report.startswith("OK ") and "this etcd has no v2 API: use --rdzv-backend=etcd-v3" in report, report
+
+
 def test_a_reversed_node_range_is_one_usage_line_not_a_traceback(tmp_path: Path) -> None:
     script = tmp_path / "noop.py"
     script.write_text("pass\n")
