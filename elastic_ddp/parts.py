@@ -48,7 +48,7 @@ def lr_multiplier(step: int, *, warmup: int, decay_steps: int, schedule: str, mi
 
 def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The same optimizer (class, defaults, param groups) with its state sharded over the ranks."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # a 2 s import: only when asked for
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # a slow import: only when asked for
 
     groups = [dict(group) for group in optimizer.param_groups]
     accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ does not take

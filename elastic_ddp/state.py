@@ -274,7 +274,7 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 def is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is a ZeroRedundancyOptimizer, without importing torch.distributed.optim
-    (a 2 s import): if its module was never imported, no such optimizer can exist."""
+    (a slow import): if its module was never imported, no such optimizer can exist."""
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 

@@ -1,35 +1,68 @@
-"""``elastic-ddp launch`` (what ``scripts/run.sh`` runs) on one work directory, launched again after it finished."""
+"""``elastic-ddp launch`` (what ``scripts/run.sh`` runs) on one work directory, launched again after it failed,
+after it was stopped, after it finished, and after it was already complete."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs import REPO, events, run
+from tests.jobs import REPO, child_env, events, run
 
 pytestmark = pytest.mark.integration
 
 
-def launch(workdir: Path, max_steps: int) -> tuple[int, str]:
-    result = run([sys.executable, "-m", "elastic_ddp.cli", "launch", "--nodes", "1:2", "--nproc-per-node", "1",
-                  "--workdir", str(workdir), "--", str(REPO / "examples" / "train.py"), "--max-steps", str(max_steps),
-                  "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every", "10", "--log-dir",
-                  str(workdir / "logs"), "--log-every", "10"], timeout=300)
-    return result.returncode, result.output
+def command(workdir: Path, max_steps: int, *more: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_ddp.cli", "launch", "--nodes", "1:2", "--nproc-per-node", "1",
+            "--workdir", str(workdir), *more, "--", str(REPO / "examples" / "train.py"), "--max-steps", str(max_steps),
+            "--checkpoint-dir", str(workdir / "ckpt"), "--checkpoint-every", "10", "--log-dir", str(workdir / "logs"),
+            "--log-every", "10"]
 
 
-def test_a_finished_launch_resumes_when_launched_again_on_its_work_directory(tmp_path: Path) -> None:
-    """The second launch finds the first one's embedded etcd data (a closed rendezvous of the same run id) and
-    its node logs; it must train on from the first one's last checkpoint, and report only its own outcome."""
-    code, output = launch(tmp_path, 20)
-    assert code == 0, output[-3000:]
-    code, output = launch(tmp_path, 40)
-    assert code == 0, output[-3000:]
-    resumed = [event for event in events(tmp_path / "logs", "resumed") if event["rank"] == 0]
-    assert [event["step"] for event in resumed] == [20], resumed
-    done = [event["step"] for event in events(tmp_path / "logs", "done") if event["rank"] == 0]
-    assert done == [20, 40], done
-    summary = output[output.rindex("node0: exit"):]
-    assert "step=20 " not in summary and "step=40 " in summary, summary
+def rank0(workdir: Path, kind: str) -> list[dict]:
+    return [event for event in events(workdir / "logs", kind) if event["rank"] == 0]
+
+
+def stop_after(workdir: Path, max_steps: int, step: int) -> int:
+    """Launch, SIGTERM the launcher (Ctrl-C's twin) once rank 0 committed ``step``, and return its status."""
+    launcher = subprocess.Popen(command(workdir, max_steps), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(event["step"] >= step for event in rank0(workdir, "committed") if (workdir / "logs").exists()):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        return launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+def test_a_launch_goes_on_from_its_work_directory_after_a_failure_a_stop_and_the_end(tmp_path: Path) -> None:
+    """Each launch finds what the previous one left (its embedded etcd's data with the rendezvous it closed,
+    its node logs, its checkpoints) and trains on from the newest checkpoint; a run already complete resumes
+    at its last step, trains nothing and exits 0; each summary shows its own launch only."""
+    failed = run(command(tmp_path, 200, "--max-restarts", "0"), env={"ELASTIC_DDP_FAULT": "crash:1:25"}, timeout=300)
+    assert failed.returncode != 0, failed.output[-3000:]
+    stop_after(tmp_path, 200, 40)
+    assert rank0(tmp_path, "resumed")[0]["step"] == 20, rank0(tmp_path, "resumed")
+    stopped_at = max(event["step"] for event in rank0(tmp_path, "committed"))
+    finished = run(command(tmp_path, 60), timeout=300)
+    assert finished.returncode == 0, finished.output[-3000:]
+    assert rank0(tmp_path, "resumed")[-1]["step"] == stopped_at
+    assert [event["step"] for event in rank0(tmp_path, "done")] == [60]
+    again = run(command(tmp_path, 60), timeout=300)
+    assert again.returncode == 0, again.output[-3000:]
+    assert rank0(tmp_path, "resumed")[-1]["step"] == 60 and [event["step"] for event in rank0(tmp_path, "done")] == [60, 60]
+    assert max(event["step"] for event in rank0(tmp_path, "committed")) == 60
+    longer = run(command(tmp_path, 80), timeout=300)
+    assert longer.returncode == 0, longer.output[-3000:]
+    assert rank0(tmp_path, "resumed")[-1]["step"] == 60 and rank0(tmp_path, "done")[-1]["step"] == 80
+    summary = longer.output[longer.output.rindex("node0: exit"):]
+    assert "step=80 " in summary and "step=60 " not in summary, summary
