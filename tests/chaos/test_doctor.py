@@ -56,6 +56,7 @@ def test_on_a_healthy_cluster_the_doctor_finds_nothing_and_exits_0(fabric: tuple
     assert len(measured["pairs"]) == 3 and all(row["busbw_gbps"] > 0 for row in measured["allreduce"])
 
 
+@pytest.mark.slow  # CI time; the doctor's slow-node analysis has unit tests
 def test_with_50_ms_on_one_nodes_link_the_doctor_names_that_node(fabric: tuple[Fabric, str], tmp_path: Path) -> None:
     net, endpoint = fabric
     net.latency("n2", ["n0", "n1"], delay_ms=50)

@@ -103,6 +103,7 @@ def test_a_node_cut_off_silently_is_left_behind_within_the_bound_and_rejoins_whe
     assert stores and all(store.startswith("10.213.0.") for store in stores), stores  # namespace addresses only
 
 
+@pytest.mark.slow  # CI time; the reachability check's handler tests run in CI
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
 def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins_when_healed(
         tmp_path: Path, cache_dir: Path) -> None:
@@ -172,6 +173,7 @@ def test_the_library_path_passes_kill_worker_with_the_trainers_checks(tmp_path: 
     assert resumed and resumed[-1].source == "replica", text
 
 
+@pytest.mark.slow  # CI time (two scenarios with cold workers); the group watch and the handler's poll are tested in CI
 def test_a_survivor_blocked_in_a_collective_recovers_within_2_s_of_one_whose_collective_fails(
         tmp_path: Path, cache_dir: Path) -> None:
     """NCCL's case on gloo: node1 frozen (SIGSTOP of its agent and worker), so its connections stay open and

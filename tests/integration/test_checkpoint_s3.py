@@ -122,6 +122,7 @@ def test_resume_from_s3_with_gradient_accumulation_is_bitwise_identical(s3_serve
     assert (a["model_digest"], a["data_digest"]) == (b["model_digest"], b["data_digest"])
 
 
+@pytest.mark.slow  # CI time; world-size changes are covered on local disk, S3 resume at the same size
 def test_resume_from_s3_on_three_ranks_keeps_data_exact_and_weights_close(
     reference: dict, first_half: str, s3_server_module: S3Endpoint, tmp_path: Path
 ) -> None:

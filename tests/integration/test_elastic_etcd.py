@@ -217,6 +217,7 @@ def test_unreachable_etcd_fails_the_agent_within_join_timeout_naming_the_endpoin
 LEGACY_STEPS = 60
 
 
+@pytest.mark.slow  # CI time; torch's own v2 backend, not this project's
 def test_training_runs_under_torchs_legacy_etcd_backend(etcd_server_v2: EtcdServer, tmp_path: Path) -> None:
     """The training side reads only torchrun's environment, so torch's v2-API ``etcd`` backend
     (python-etcd) drives it as well: two nodes, world 2, the samples of a one-process run."""

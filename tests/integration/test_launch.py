@@ -52,18 +52,18 @@ def test_a_launch_goes_on_from_its_work_directory_after_a_failure_a_stop_and_the
     """Each launch finds what the previous one left (its embedded etcd's data with the rendezvous it closed,
     its node logs, its checkpoints) and trains on from the newest checkpoint; a run already complete resumes
     at its last step, trains nothing and exits 0; each summary shows its own launch only."""
-    failed = run(command(tmp_path, 400, "--max-restarts", "0"), env={"ELASTIC_DDP_FAULT": "crash:1:25"}, timeout=300)
+    failed = run(command(tmp_path, 150, "--max-restarts", "0"), env={"ELASTIC_DDP_FAULT": "crash:1:25"}, timeout=300)
     assert failed.returncode != 0, failed.output[-3000:]
     for launch in ("stopped", "finished", "again", "longer"):
         resumes, committed = len(rank0(tmp_path, "resumed")), newest_commit(tmp_path)
         if launch == "stopped":
-            stop_after(tmp_path, 400, committed + 20)
+            stop_after(tmp_path, 150, committed + 20)
         else:
-            result = run(command(tmp_path, {"finished": 400, "again": 400, "longer": 420}[launch]), timeout=300)
+            result = run(command(tmp_path, {"finished": 150, "again": 150, "longer": 170}[launch]), timeout=300)
             assert result.returncode == 0, f"{launch}: {result.output[-3000:]}"
         # where the previous launch left it: its newest checkpoint, or a newer replica it left in node memory
         assert rank0(tmp_path, "resumed")[resumes]["step"] >= committed, launch
-    assert [event["step"] for event in rank0(tmp_path, "done")][-3:] == [400, 400, 420]
-    assert newest_commit(tmp_path) == 420
+    assert [event["step"] for event in rank0(tmp_path, "done")][-3:] == [150, 150, 170]
+    assert newest_commit(tmp_path) == 170
     summary = result.output[result.output.rindex("node0: exit"):]
-    assert "step=420 " in summary and "step=400 " not in summary, summary
+    assert "step=170 " in summary and "step=150 " not in summary, summary

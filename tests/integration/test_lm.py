@@ -88,6 +88,7 @@ def test_resume_at_the_same_world_size_is_bitwise_identical_with_bf16_autocast(w
     assert export_model(str(split), model, workdir / "gpt.safetensors") == resumed["model_digest"]
 
 
+@pytest.mark.slow  # CI time; the MLP's world-size tests run in CI
 def test_resume_at_another_world_size_keeps_data_exact_and_weights_close(workdir: Path) -> None:
     """2 -> 3 ranks, in float32. Under bf16 autocast each rank's weight gradients are rounded to bf16
     before the all-reduce, so other partial sums differ by ~1e-3 relative and AdamW turns that into

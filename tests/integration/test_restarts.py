@@ -82,6 +82,7 @@ def reference_400(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return done_event(logs)
 
 
+@pytest.mark.slow  # CI time; ci-mix and the kill-worker tests restart in CI
 def test_three_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weights(
     etcd_server: EtcdServer, tmp_path: Path, reference_400: dict
 ) -> None:
@@ -93,6 +94,7 @@ def test_three_worker_kills_in_a_row_all_restart_and_end_with_bitwise_equal_weig
     assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
 
 
+@pytest.mark.slow  # CI time; the chaos tests restart prefork workers in CI
 def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal_weights(
     etcd_server: EtcdServer, tmp_path: Path, reference_400: dict
 ) -> None:

@@ -60,8 +60,8 @@ def test_a_kind_outside_the_set_or_a_missing_field_is_refused(tmp_path: Path) ->
 
 def test_every_kind_has_its_fields_documented() -> None:
     assert set(FIELDS) == set(Event)
-    design = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
-    section = design.split("## Events", 1)[1].split("\n## ", 1)[0]
+    reference = (Path(__file__).resolve().parents[2] / "docs" / "reference.md").read_text()
+    section = reference.split("## Events", 1)[1].split("\n## ", 1)[0]
     for kind in Event:
         assert f"`{kind.value}`" in section, kind
         for name in FIELDS[kind]:
