@@ -30,9 +30,9 @@ def _one_line_exit(output: str, log_dir: Path, status: int, *named: str) -> None
 
 @pytest.mark.parametrize(
     ("mistake", "named"),
-    [  # one refused at the first step, one as the parts are made; tests/unit/test_parts.py has every kind
+    [  # refused at the first step; as the parts are made (slow set); tests/unit/test_parts.py has every kind
         ("scalar-loss", ('reduction="none"', "WeightedLoss")),
-        ("optimizer-none", ("optimizer", "NoneType", "torch.optim.Optimizer")),
+        pytest.param("optimizer-none", ("optimizer", "NoneType", "torch.optim.Optimizer"), marks=pytest.mark.slow),
     ],
 )
 def test_a_trainer_path_mistake_exits_2_in_one_line_before_training(mistake: str, named: tuple[str, ...],

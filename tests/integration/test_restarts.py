@@ -107,6 +107,7 @@ def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal
     assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
 
 
+@pytest.mark.slow  # CI time; the rescue's refusal is unit-tested (test_rescue.py) and replica resumes run in CI
 def test_a_run_that_draws_random_numbers_keeps_no_rescue_and_resumes_bitwise_from_a_replica(
     etcd_server: EtcdServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -118,7 +118,7 @@ def test_resume_with_gradient_accumulation_is_bitwise_identical(workdir: Path) -
     assert (a["model_digest"], a["data_digest"]) == (b["model_digest"], b["data_digest"])
 
 
-@pytest.mark.parametrize("new_world_size", [3, 1])
+@pytest.mark.parametrize("new_world_size", [pytest.param(3, marks=pytest.mark.slow), 1])  # 3: CI time; 1 changes it too
 def test_world_size_change_keeps_data_exact_and_weights_close(
     new_world_size: int, reference: dict, split_run_first_half: Path, workdir: Path
 ) -> None:
@@ -146,6 +146,7 @@ def test_sharded_optimizer_state_round_trips_bitwise_and_refuses_another_world_s
     assert "sharded over another world size" in refused.output
 
 
+@pytest.mark.slow  # CI time; a warning, with unit tests of the schedule
 def test_a_resume_that_moves_the_lr_horizon_says_so_naming_both_steps_and_the_flag(tmp_path: Path) -> None:
     ckpt, logs = str(tmp_path / "ckpt"), str(tmp_path / "logs")
     common = ["--checkpoint-dir", ckpt, "--log-dir", logs, "--optim-decay-steps", "0"]
