@@ -24,10 +24,9 @@ from typing import Any
 from elastic_ddp.build import Built
 from elastic_ddp.config import TrainConfig
 from elastic_ddp.distributed import LaunchEnv, distributed
-from elastic_ddp.events import Event, EventLog
+from elastic_ddp.events import EventLog
 from elastic_ddp.logs import setup_logging
-from elastic_ddp.resilience.exits import ExitReason, log_exit, write_error_file
-from elastic_ddp.runtime import Runtime, announce_process_group, failure_reason
+from elastic_ddp.runtime import Runtime, announce_process_group, exit_in_one_line, exit_unhandled, failure_reason
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
 
@@ -59,12 +58,9 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
         reason = failure_reason(exc)
         if reason is None:
             if runtime is None:  # the runtime writes the exit event of an error that crossed it
-                events.emit(Event.EXIT, reason=ExitReason.ERROR.value, status=ExitReason.ERROR.status, detail="",
-                            error=f"{type(exc).__name__}: {exc}")
+                exit_unhandled(events, exc)
             raise
-        logger.error("%s", exc)
-        write_error_file(reason.value, str(exc))
-        return log_exit(reason, events=events, error=str(exc))
+        return exit_in_one_line(reason, str(exc), events)
     finally:
         events.close()
         log.close()

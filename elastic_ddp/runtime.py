@@ -80,6 +80,22 @@ def failure_reason(exc: BaseException) -> ExitReason | None:
     return None
 
 
+def exit_in_one_line(reason: ExitReason, detail: str, events: EventLog) -> int:
+    """Report an error the runtime knows: one log line, torchrun's error file, the exit line and event; the status."""
+    logger.error("%s", detail)
+    write_error_file(reason.value, detail)
+    if reason is ExitReason.PEER_LOST:
+        return log_exit(reason, detail, events)
+    return log_exit(reason, events=events, error=detail)
+
+
+def exit_unhandled(events: EventLog, exc: BaseException) -> None:
+    """The ``exit`` event of an exception the runtime does not handle: it propagates (``@record`` writes the error
+    file, Python exits 1), and this process's last event still says why it ended."""
+    events.emit(Event.EXIT, reason=ExitReason.ERROR.value, status=ExitReason.ERROR.status, detail="",
+                error=f"{type(exc).__name__}: {exc}")
+
+
 def entrypoint(main: Callable[P, int | None]) -> Callable[P, int]:
     """Decorate a library-path script's ``main``: an error of the runtime's own that escapes it (a refused
     configuration: 2; others: 1) ends in one log line and its status instead of a traceback. Any other error
@@ -321,16 +337,10 @@ class Runtime:
                 reason = ExitReason.PEER_LOST
                 detail = fast or f"a collective failed and {self.group_watch.why if self.group_watch else ''}"
         if reason is None:
-            self.events.emit(Event.EXIT, reason=ExitReason.ERROR.value, status=ExitReason.ERROR.status, detail="",
-                             error=f"{type(exc).__name__}: {exc}")
+            exit_unhandled(self.events, exc)
             return False
-        logger.error("%s", detail)
         logger.debug("the error that ended the loop", exc_info=exc)
-        write_error_file(reason.value, detail)
-        if reason is ExitReason.PEER_LOST:
-            self.exit_status = log_exit(reason, detail, self.events)
-        else:
-            self.exit_status = log_exit(reason, events=self.events, error=detail)
+        self.exit_status = exit_in_one_line(reason, detail, self.events)
         return True
 
     def close(self) -> None:
