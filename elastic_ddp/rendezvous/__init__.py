@@ -17,10 +17,9 @@ from elastic_ddp.rendezvous.errors import (
 )
 from elastic_ddp.rendezvous.etcd import (
     BACKEND_NAME,
-    EtcdRendezvousBackend,
     EtcdRendezvousHandler,
-    create_backend,
     create_rdzv_handler,
+    create_store,
     handler_factory,
 )
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
@@ -31,14 +30,13 @@ __all__ = [
     "EtcdAuthError",
     "EtcdConfigError",
     "EtcdConnectionError",
-    "EtcdRendezvousBackend",
     "EtcdRendezvousError",
     "EtcdRendezvousHandler",
     "EtcdRendezvousSettings",
     "EtcdStateError",
     "EtcdStore",
     "EtcdStoreTimeoutError",
-    "create_backend",
     "create_rdzv_handler",
+    "create_store",
     "handler_factory",
 ]

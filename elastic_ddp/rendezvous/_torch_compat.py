@@ -164,12 +164,14 @@ check({dynamic_rendezvous: (*REQUIRED, REQUIRED_STATE_HOLDER), store_util: REQUI
       version=torch.__version__, supported=SUPPORTED)
 
 _Action = dynamic_rendezvous._Action
-_BackendRendezvousStateHolder = dynamic_rendezvous._BackendRendezvousStateHolder
-_DistributedRendezvousOpExecutor = dynamic_rendezvous._DistributedRendezvousOpExecutor
 _NodeDesc = dynamic_rendezvous._NodeDesc
+_RendezvousCloseOp = dynamic_rendezvous._RendezvousCloseOp
 _RendezvousContext = dynamic_rendezvous._RendezvousContext
 _RendezvousExitOp = dynamic_rendezvous._RendezvousExitOp
 _RendezvousJoinOp = dynamic_rendezvous._RendezvousJoinOp
+_RendezvousKeepAliveOp = dynamic_rendezvous._RendezvousKeepAliveOp
+_RendezvousOpExecutor = dynamic_rendezvous._RendezvousOpExecutor
 _RendezvousState = dynamic_rendezvous._RendezvousState
+_RendezvousStateHolder = dynamic_rendezvous._RendezvousStateHolder
 _NUM_MEMBERS = store_util._NUM_MEMBERS
 _LAST_MEMBER_CHECKIN = store_util._LAST_MEMBER_CHECKIN

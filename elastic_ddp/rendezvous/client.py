@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+MAX_TXN_OPS = 128
+"""The most operations etcd takes in one transaction by default (``--max-txn-ops``)."""
 _MIN_ATTEMPT_TIMEOUT_S = 1.0
 _RETRY_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # gRPC's own reconnect backoff grows to 120 s by default; a member that comes back
@@ -127,6 +129,64 @@ class ValueIs:
 Condition = Absent | ModRevisionIs | ValueIs
 
 
+@dataclass(frozen=True)
+class Put:
+    """Transaction operation: write ``key`` (under ``lease``, 0: none)."""
+
+    key: bytes
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    """Transaction operation: delete ``key`` (nothing happens if it is absent)."""
+
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Read:
+    """Transaction operation: read ``key`` at the transaction's revision."""
+
+    key: bytes
+
+
+Op = Put | Delete | Read
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """Result of :meth:`EtcdClient.transact`."""
+
+    succeeded: bool
+    """Whether every condition held (the ``success`` operations ran) or not (``failure`` ran)."""
+    revision: int
+    """Store revision after the transaction."""
+    reads: tuple[KeyValue | None, ...]
+    """What each :class:`Read` of the operations that ran found, in order (``None``: absent)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change seen by a watch."""
+
+    deleted: bool
+    """``True`` for a deletion (``kv.value`` is then empty), ``False`` for a put."""
+    kv: KeyValue
+    """The key as the change left it; ``mod_revision`` is the change's revision."""
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What one wait on a key range saw (:meth:`EtcdClient.wait_for_changes`)."""
+
+    events: tuple[Event, ...]
+    """The changes, in revision order; empty when the wait timed out."""
+    compacted: bool = False
+    """etcd no longer has the history from the revision asked for: read the range again."""
+
+
 class EtcdClient(Protocol):
     """The etcd operations the rendezvous backend and store need.
 
@@ -170,6 +230,19 @@ class EtcdClient(Protocol):
 
         ``True`` may also mean "history was compacted, look again".
         """
+
+    def transact(self, conditions: Sequence[tuple[bytes, Condition]], success: Sequence[Op],
+                 failure: Sequence[Op] = ()) -> TxnResult:
+        """One transaction: ``success`` if every condition holds on its key, else ``failure``."""
+
+    def range_prefix(
+        self, prefix: bytes, timeout: float | None = None, end: bytes | None = None
+    ) -> tuple[list[KeyValue], int]:
+        """Every key starting with ``prefix`` (or in ``[prefix, end)``), in key order, and the revision read at."""
+
+    def wait_for_changes(self, key: bytes, range_end: bytes, after_revision: int, timeout: float) -> Changes:
+        """Block until keys in ``[key, range_end)`` change after ``after_revision`` (the changes of the
+        first batch that arrives), or ``timeout`` seconds pass (no events)."""
 
     def lease_grant(self, ttl: int) -> int:
         """A new lease of ``ttl`` seconds; returns its id."""
@@ -245,11 +318,16 @@ class GrpcEtcdClient:
         return _to_key_value(response.kvs[0]) if response.kvs else None
 
     def get_many(self, keys: Sequence[bytes]) -> tuple[list[KeyValue | None], int]:
-        """See :class:`EtcdClient`."""
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key)) for key in keys]
-        response = self._txn("get_many", etcdrpc.TxnRequest(success=ops))
-        values = [_first_key_value(op.response_range.kvs) for op in response.responses]
-        return values, response.header.revision
+        """See :class:`EtcdClient`. More keys than etcd takes in one transaction (``--max-txn-ops``, 128 by
+        default) are read in several; the revision is then the first one's (the oldest)."""
+        values: list[KeyValue | None] = []
+        revision = 0
+        for start in range(0, max(len(keys), 1), MAX_TXN_OPS):
+            ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key)) for key in keys[start:start + MAX_TXN_OPS]]
+            response = self._txn("get_many", etcdrpc.TxnRequest(success=ops))
+            values.extend(_first_key_value(op.response_range.kvs) for op in response.responses)
+            revision = revision or int(response.header.revision)
+        return values, revision
 
     def count_prefix(self, prefix: bytes) -> int:
         """See :class:`EtcdClient`."""
@@ -263,9 +341,12 @@ class GrpcEtcdClient:
         return self._unary("put", etcdrpc.KVStub, "Put", request).header.revision
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], lease: int = 0) -> int:
-        """See :class:`EtcdClient`."""
-        ops = [_put_op(key, value, lease) for key, value in items]
-        return self._txn("put_many", etcdrpc.TxnRequest(success=ops)).header.revision
+        """See :class:`EtcdClient`. More items than etcd takes in one transaction are written in several."""
+        revision = 0
+        for start in range(0, max(len(items), 1), MAX_TXN_OPS):
+            ops = [_put_op(key, value, lease) for key, value in items[start:start + MAX_TXN_OPS]]
+            revision = int(self._txn("put_many", etcdrpc.TxnRequest(success=ops)).header.revision)
+        return revision
 
     def put_if(
         self, key: bytes, value: bytes, condition: Condition, lease: int = 0, also: Sequence[tuple[bytes, bytes]] = ()
@@ -293,6 +374,33 @@ class GrpcEtcdClient:
             key=key, start_revision=after_revision + 1, filters=[etcdrpc.WatchCreateRequest.NODELETE]
         )
         return self._call("watch", lambda ch, t, md: _watch_for_put(ch, create, t, md), timeout=timeout)
+
+    def transact(self, conditions: Sequence[tuple[bytes, Condition]], success: Sequence[Op],
+                 failure: Sequence[Op] = ()) -> TxnResult:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.TxnRequest(
+            compare=[_compare(key, condition) for key, condition in conditions],
+            success=[_request_op(op) for op in success],
+            failure=[_request_op(op) for op in failure],
+        )
+        response = self._txn("transact", request)
+        ran = success if response.succeeded else failure
+        reads = tuple(_first_key_value(reply.response_range.kvs)
+                      for op, reply in zip(ran, response.responses) if isinstance(op, Read))
+        return TxnResult(bool(response.succeeded), int(response.header.revision), reads)
+
+    def range_prefix(
+        self, prefix: bytes, timeout: float | None = None, end: bytes | None = None
+    ) -> tuple[list[KeyValue], int]:
+        """See :class:`EtcdClient`."""
+        request = etcdrpc.RangeRequest(key=prefix, range_end=_prefix_end(prefix) if end is None else end)
+        response = self._unary("range_prefix", etcdrpc.KVStub, "Range", request, timeout)
+        return [_to_key_value(kv) for kv in response.kvs], int(response.header.revision)
+
+    def wait_for_changes(self, key: bytes, range_end: bytes, after_revision: int, timeout: float) -> Changes:
+        """See :class:`EtcdClient`."""
+        create = etcdrpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=after_revision + 1)
+        return self._call("watch", lambda ch, t, md: _watch_for_changes(ch, create, t, md), timeout=timeout)
 
     # -- leases, status ---------------------------------------------------
 
@@ -494,6 +602,42 @@ def _watch_for_put(
     finally:
         done.set()
         call.cancel()
+
+
+def _watch_for_changes(
+    channel: grpc.Channel, create: etcdrpc.WatchCreateRequest, timeout: float, metadata: _Metadata
+) -> Changes:
+    """Open a watch from ``create.start_revision``; the first batch of events, none at the timeout."""
+    done = threading.Event()
+
+    def requests() -> Iterator[etcdrpc.WatchRequest]:
+        yield etcdrpc.WatchRequest(create_request=create)
+        done.wait()  # keep the request stream open until the watch ends
+
+    call = etcdrpc.WatchStub(channel).Watch(requests(), timeout=timeout, metadata=metadata)
+    try:
+        for response in call:
+            if response.canceled:
+                return Changes((), compacted=response.compact_revision > 0)
+            if response.events:
+                return Changes(tuple(Event(event.type == kv_pb2.Event.DELETE, _to_key_value(event.kv))
+                                     for event in response.events))
+        return Changes(())
+    except grpc.RpcError as exc:
+        if _is_deadline(exc):
+            return Changes(())
+        raise
+    finally:
+        done.set()
+        call.cancel()
+
+
+def _request_op(op: Op) -> etcdrpc.RequestOp:
+    if isinstance(op, Put):
+        return _put_op(op.key, op.value, op.lease)
+    if isinstance(op, Delete):
+        return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=op.key))
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=op.key))
 
 
 def _channel_credentials(options: ClientOptions) -> grpc.ChannelCredentials:

@@ -52,15 +52,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
 import weakref
-import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -74,27 +71,26 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-    DynamicRendezvousHandler,
-    RendezvousBackend,
-    Token,
-)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousSettings
 
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
     _Action,
-    _BackendRendezvousStateHolder,
-    _DistributedRendezvousOpExecutor,
     _NodeDesc,
+    _RendezvousCloseOp,
     _RendezvousContext,
     _RendezvousExitOp,
     _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
+    _RendezvousOpExecutor,
     _RendezvousState,
+    _RendezvousStateHolder,
 )
-from elastic_ddp.rendezvous.client import Absent, EtcdClient, GrpcEtcdClient, ModRevisionIs
-from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError, EtcdStateError
+from elastic_ddp.rendezvous.client import EtcdClient, GrpcEtcdClient
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
+from elastic_ddp.rendezvous.rounds import Formed, Member, RoundRules, Rounds, RoundWatch, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
 
@@ -102,151 +98,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
 _FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_STATE_MAGIC = b"elastic_ddp.rdzv.v1:"
-_CRC_HEX = re.compile(rb"[0-9a-f]{8}")
-_TORCH_SYNC_INTERVAL_S = 1.0  # how long torch's rendezvous loop sleeps before it reads the state again
-_LAST_CALL_MARGIN_S = 0.005  # wake just after the last call's end, not just before it
-_WAKE_COALESCE_S = 0.01  # after a watch fired: let the writes of a burst land, then read once
 LEAVE_TIMEOUT_S = 5.0
 """The most an exiting agent spends taking its node out of the round (etcd may be unreachable)."""
-
-
-class EtcdRendezvousBackend(RendezvousBackend):
-    """Rendezvous state in one etcd key, updated by compare-and-swap on its mod revision.
-
-    The fencing token is the key's ``mod_revision``; each successful
-    :meth:`set_state` is one etcd transaction and yields a new, larger token.
-    The key is attached to this participant's lease, which is refreshed at most every tenth
-    of its TTL: a write is one etcd transaction, which matters when many nodes compete to
-    write (every failed compare-and-swap is retried at once by torch's handler).
-
-    Args:
-        client: the etcd client.
-        key: the etcd key holding the state.
-        leases: the lease the state is written under.
-    """
-
-    def __init__(self, client: EtcdClient, key: str, leases: LeaseKeeper) -> None:
-        self._client = client
-        self._key = key.encode()
-        self._leases = leases
-        self._seen_revision = 0
-        """The newest revision of the state key this process read or wrote (any thread)."""
-        self._quick = threading.local()
-        """This thread's bound on a read of the state (:meth:`reads_within`); unset: ``read_timeout``."""
-
-    @contextmanager
-    def reads_within(self, timeout: float) -> Iterator[None]:
-        """Within the block, this thread's reads of the state give up after ``timeout`` seconds
-        (:class:`EtcdConnectionError`) instead of riding out an outage for ``read_timeout``."""
-        self._quick.timeout = timeout
-        try:
-            yield
-        finally:
-            self._quick.timeout = None
-
-    def wait_for_change(self, timeout: float) -> bool:
-        """Block until the state is written after the newest revision this process has seen (True),
-        or ``timeout`` seconds pass (False). An etcd that does not answer is no change (False, after
-        at most ``timeout``): the read that follows rides out an outage up to ``read_timeout``."""
-        started = time.monotonic()
-        if self._seen_revision > 0:
-            try:
-                return self._client.wait_for_put(self._key, self._seen_revision, timeout)
-            except EtcdConnectionError:
-                pass
-        time.sleep(max(0.0, timeout - (time.monotonic() - started)))
-        return False
-
-    def _saw(self, revision: int) -> int:
-        self._seen_revision = max(self._seen_revision, revision)
-        return revision
-
-    @property
-    def name(self) -> str:
-        """``etcd-v3``; torch requires it to equal the registered backend name."""
-        return BACKEND_NAME
-
-    @property
-    def key(self) -> str:
-        """The etcd key of the state."""
-        return self._key.decode()
-
-    def get_state(self) -> tuple[bytes, Token] | None:
-        """The state and its token, or ``None`` when no state exists.
-
-        Raises:
-            RendezvousConnectionError: etcd was unreachable (``EtcdConnectionError``).
-            RendezvousStateError: the key holds something this backend did not write.
-        """
-        current = self._client.get(self._key, timeout=getattr(self._quick, "timeout", None))
-        if current is None:
-            return None
-        return self._decode(current.value), self._saw(current.mod_revision)
-
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        """Write ``state`` if ``token`` is still current (``None``: if no state exists).
-
-        Returns ``(state, new_token, True)`` on success, ``(current_state,
-        current_token, False)`` when the token is stale or invalid, and ``None``
-        when the token is stale and the state has vanished meanwhile.
-
-        The token is checked with a read before the compare-and-swap: etcd puts every
-        transaction that may write through raft and fsyncs it, even when its compare then
-        fails, and when many nodes join at once most attempts carry a stale token (torch's
-        handler retries each failed one at once). A read is served without a log write.
-        """
-        revision = None if token is None else _as_revision(token)
-        if token is not None and revision is None:
-            return self._current_state_not_written()
-        current = self._client.get(self._key, timeout=getattr(self._quick, "timeout", None))
-        if (None if current is None else current.mod_revision) != revision:
-            return None if current is None else (self._decode(current.value), self._saw(current.mod_revision), False)
-        condition = Absent() if revision is None else ModRevisionIs(revision)
-        payload = _encode_state(state)
-        outcome = self._leases.write(lambda lease: self._client.put_if(self._key, payload, condition, lease))
-        if outcome.succeeded:
-            return state, self._saw(outcome.revision), True
-        if outcome.current is None:
-            return None
-        return self._decode(outcome.current.value), self._saw(outcome.current.mod_revision), False
-
-    def _current_state_not_written(self) -> tuple[bytes, Token, bool] | None:
-        current = self.get_state()
-        return None if current is None else (*current, False)
-
-    def _decode(self, payload: bytes) -> bytes:
-        try:
-            return _decode_state(payload)
-        except ValueError as exc:
-            raise EtcdStateError(
-                "the rendezvous state at etcd key %s (endpoints %s) is corrupt: %s; delete the key "
-                "or use another --rdzv-id" % (self.key, ",".join(self._client.endpoints), exc)
-            ) from exc
-
-
-def _as_revision(token: Token) -> int | None:
-    """The revision a token stands for, or ``None`` if it is not one this backend issued."""
-    if isinstance(token, bool) or not isinstance(token, int) or token <= 0:
-        return None
-    return token
-
-
-def _encode_state(state: bytes) -> bytes:
-    """Frame ``state`` with a magic prefix and a CRC32, so foreign or damaged values are detected."""
-    return _STATE_MAGIC + b"%08x:" % zlib.crc32(state) + state
-
-
-def _decode_state(payload: bytes) -> bytes:
-    """Inverse of :func:`_encode_state`; raises ``ValueError`` saying what is wrong."""
-    if not payload.startswith(_STATE_MAGIC):
-        raise ValueError("missing the %r header" % _STATE_MAGIC.decode())
-    header, separator, state = payload[len(_STATE_MAGIC):].partition(b":")
-    if not separator or not _CRC_HEX.fullmatch(header):
-        raise ValueError("malformed checksum header")
-    if zlib.crc32(state) != int(header, 16):
-        raise ValueError("checksum mismatch (%d bytes of state)" % len(state))
-    return state
 
 
 def _record_event(
@@ -269,47 +122,84 @@ def _record_event(
     )
 
 
-class _OpExecutor(_DistributedRendezvousOpExecutor):
-    """torch's rendezvous operation executor, with two changes that cost it time.
+class _RoundsState(_RendezvousStateHolder):
+    """torch's view of the rendezvous (a ``_RendezvousState``), kept from this node's rounds instead of
+    read from one state key: after a join, the round as formed; while the node trains, which members'
+    keys still exist and who joined the next round, as :class:`~.rounds.RoundWatch` saw them. Reading
+    it costs no etcd call: the agent polls :meth:`EtcdRendezvousHandler.num_nodes_waiting` ten times a
+    second."""
 
-    **Events.** torch names each event after the calling method with ``inspect.stack()``, twice,
-    reading the source of every frame on the stack, and only then finds that no event handler is
-    configured. The executor records about three events per pass of its loop, and it loops once
-    per lost compare-and-swap: with 64 agents joining at once on two cores, that naming was three
-    quarters of the agents' CPU time (py-spy) and made the rendezvous 3-5x slower. Here the name
-    comes from the caller's frame, and only when events are recorded.
+    def __init__(self) -> None:
+        self._state = _RendezvousState()
+        self.formed: Formed | None = None
+        self.watch: RoundWatch | None = None
+        self.closed = False
+        self._built_from: tuple[int, int, int] | None = None
 
-    **Waiting.** While a node waits (a participant for others or for the last call to end, a node
-    on the wait list for the next round), torch re-reads the state once a second. So a round whose
-    last call ends between two reads completes up to a second late, and a node that re-joins while
-    the others still hold the old round (it goes on the wait list) joins the new round only at its
-    next read: after a worker's death that was the whole last call again. Here a waiting node
-    watches the state key (with the backend attached, see :attr:`backend`) and reads the state as
-    soon as another node wrote it (after a short pause that lets a burst of writes land, so one read
-    serves them all), and a participant's wait ends no later than the last call.
+    @property
+    def state(self) -> _RendezvousState:
+        return self._state
 
-    **Closing early.** torch keeps a round open for the whole last call, whoever is still to come.
-    After the job's first round, with :attr:`early_close`, a participant completes the round as
-    soon as every live node has joined it (:func:`_may_close_early`): a re-formation after a
-    preemption or a failure then costs no last call at all.
-    """
+    def sync(self) -> bool | None:
+        """Bring the view up to date with the watch (no etcd call).
 
-    backend: EtcdRendezvousBackend | None = None
-    """The state's backend, whose watch wakes a waiting node; without it, only the last call's end does."""
-    early_close: bool = False
-    """Whether a round after the first completes once every live node is a participant."""
-    leaving: bool = False
-    """Set by :meth:`EtcdRendezvousHandler.leave`: this node's exit operation is its last."""
+        Raises:
+            EtcdConnectionError: etcd does not answer the watch now.
+        """
+        watch = self.watch
+        if watch is not None:
+            view = watch.view
+            if view.error is not None:
+                raise view.error
+            key = (view.formed.round, len(view.alive), len(view.waiting))
+            if key != self._built_from:
+                self._built_from = key
+                self._state = _state_of(view.formed, view.alive, view.waiting.values(), self.closed)
+        return None
 
-    def _remove_from_participants(self) -> None:
-        """See base class. torch's re-join runs an exit operation and then a join, and the exit drops the
-        node's heartbeat: between the two, another node re-joining first would see every live node in
-        the round and close it early without this one (which would then wait for a round of its own).
-        So a node that exits to re-join keeps its heartbeat (torch still drops it if the node dies);
-        only a node that leaves for good removes it."""
-        super()._remove_from_participants()
-        if not self.leaving:
-            self._state.last_heartbeats[self._node] = datetime.now(timezone.utc)
+    def mark_dirty(self) -> None:
+        """torch's executor is not used with this holder; nothing is written through it."""
+
+    def formed_round(self, formed: Formed, watch: RoundWatch) -> None:
+        self.stop_watching()
+        self.formed, self.watch = formed, watch
+        self._built_from = None
+        self._state = _state_of(formed, {member.key for member in formed.members}, (), self.closed)
+
+    def stop_watching(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+
+    def left(self) -> None:
+        """This node left its round: it is no longer among the participants."""
+        self.stop_watching()
+        self.watch = None
+        self._state.participants = {}
+        self._state.last_heartbeats = {}
+
+
+def _state_of(formed: Formed, alive: set[str], waiting: Iterable[_NodeDesc], closed: bool) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = formed.round
+    state.complete = True
+    state.closed = closed
+    state.participants = {member.node: rank for rank, member in enumerate(formed.members) if member.key in alive}
+    state.wait_list = set(waiting)
+    now = datetime.now(timezone.utc)
+    state.last_heartbeats = {node: now for node in (*state.participants, *state.wait_list)}
+    return state
+
+
+class _RoundsExecutor(_RendezvousOpExecutor):
+    """Runs torch's rendezvous operations (join, exit, close, keep-alive) as the rounds protocol's
+    (:mod:`.rounds`), for torch's handler code that calls ``_op_executor.run(op, deadline)``."""
+
+    def __init__(self, handler: EtcdRendezvousHandler, rounds: Rounds, holder: _RoundsState) -> None:
+        self._handler = handler
+        self._rounds = rounds
+        self._holder = holder
+        self.leaving = False
+        """Set by :meth:`EtcdRendezvousHandler.leave` and ``_step_out``: the exit deletes this node's keys."""
 
     def run(
         self,
@@ -318,71 +208,23 @@ class _OpExecutor(_DistributedRendezvousOpExecutor):
         update_deadline: Callable[[timedelta], float] | None = None,
     ) -> None:
         """See base class."""
-
-        joining = isinstance(state_handler, _RendezvousJoinOp)
-
-        def until_something_changes(ctx: _RendezvousContext, deadline: float) -> _Action:
-            action = state_handler(ctx, deadline)
-            while action == _Action.SYNC:
-                if joining and self.early_close and _may_close_early(ctx):
-                    self._record(f"The node '{self._node}' closes round {ctx.state.round} early: every live node joined")
-                    return _Action.MARK_RENDEZVOUS_COMPLETE
-                pause = _pause_until_last_call_ends(ctx.state)
-                if self.backend is None:
-                    if pause is None:
-                        break  # torch's own one-second wait
-                    time.sleep(pause)
-                else:
-                    limit = _TORCH_SYNC_INTERVAL_S if pause is None else pause
-                    if self.backend.wait_for_change(max(0.0, min(limit, deadline - time.monotonic()))):
-                        time.sleep(_WAKE_COALESCE_S)
-                        if isinstance(self._state_holder, _BackendRendezvousStateHolder):
-                            self._state_holder._last_sync_time = -1.0  # read now, not the cached state
-                self._state_holder.sync()  # a read (or the cached state); completing it is a compare-and-swap
-                self._state = self._state_holder.state
-                ctx = _RendezvousContext(self._node, self._state, self._settings)
-                action = state_handler(ctx, deadline)
-            return action
-
-        super().run(until_something_changes, deadline, update_deadline)
-
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        _record_event(_DistributedRendezvousOpExecutor, self._node, self._settings.run_id, message, node_state)
-
-
-def _may_close_early(ctx: _RendezvousContext) -> bool:
-    """Whether this participant may complete the open round now: it is not the job's first round,
-    the round has ``min_nodes`` to ``max_nodes`` participants, no node waits for a later round or
-    as a spare, and every node with a heartbeat (torch drops a node whose heartbeats stopped) is a
-    participant. The first round waits its last call: nodes starting together start together."""
-    state, settings = ctx.state, ctx.settings
-    if state.round == 0 or state.complete or state.closed or state.deadline is None:
-        return False
-    if ctx.node not in state.participants or state.wait_list or state.redundancy_list:
-        return False
-    if not settings.min_nodes <= len(state.participants) <= settings.max_nodes:
-        return False
-    return all(node in state.participants for node in state.last_heartbeats)
-
-
-def _job_nodes(state: _RendezvousState) -> set[_NodeDesc]:
-    """The nodes of the job as the state shows them: the current round's participants, the nodes waiting
-    for the next round or as spares, and every node with a heartbeat. Between two rounds the new one may
-    have no participant yet while the old one's participants wait on torch's wait list, and a node that
-    left a round to re-join keeps its heartbeat (:meth:`_OpExecutor._remove_from_participants`) but is in
-    neither."""
-    return {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
-
-
-def _pause_until_last_call_ends(state: _RendezvousState) -> float | None:
-    """Seconds until the open round's last call ends, if that is sooner than torch's next read
-    (a second); ``None`` otherwise."""
-    if state.complete or state.deadline is None:
-        return None
-    remaining = (state.deadline - datetime.now(timezone.utc)).total_seconds()
-    if not 0 < remaining < _TORCH_SYNC_INTERVAL_S:
-        return None
-    return remaining + _LAST_CALL_MARGIN_S
+        if isinstance(state_handler, _RendezvousJoinOp):
+            self._holder.stop_watching()
+            me = self._handler.member()
+            formed = self._rounds.join(me, deadline, self._holder.formed)
+            self._holder.formed_round(formed, self._rounds.watch(formed, me))
+        elif isinstance(state_handler, _RendezvousExitOp):
+            if self.leaving:
+                self._rounds.leave()
+                self._holder.left()
+        elif isinstance(state_handler, _RendezvousCloseOp):
+            self._rounds.close_job()
+            self._holder.closed = True
+            self._holder.state.closed = True
+        elif isinstance(state_handler, _RendezvousKeepAliveOp):
+            self._rounds.keep_alive()
+        else:
+            raise TypeError(f"etcd-v3: no rounds operation for torch's {type(state_handler).__name__}")
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
@@ -404,34 +246,38 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     check-in by a node that left mid-training is harmless: the survivors' next round has a barrier
     of its own.
 
+    **Liveness.** A node is alive while its key's lease is (:mod:`.rounds`): its agent's heartbeat
+    (every ``keep_alive_interval``) is a lease keep-alive, and etcd drops the node's key once it has
+    missed ``keep_alive_max_attempt`` of them. Heartbeats cost no raft writes.
+
     **etcd outages.** Workers never use etcd; only membership changes need it. While etcd does not
     answer, :meth:`num_nodes_waiting` (the agent's poll of a healthy group) reports no waiting
-    node, with one warning per outage, instead of failing the agent and stopping a training job:
-    the first poll of an outage gives up after ``connect_timeout`` (:meth:`_waiting_within`); later ones probe etcd for at most
-    ``connect_timeout`` every ``keep_alive_interval``. :meth:`shutdown` (a finished job) gives
-    up closing the rendezvous, with a warning, when etcd does not answer within ``connect_timeout``.
+    node, with one warning per outage, instead of failing the agent and stopping a training job.
+    :meth:`shutdown` (a finished job) gives up closing the rendezvous, with a warning, when etcd does
+    not answer within ``connect_timeout``. etcd renews every lease when it elects a leader, so an
+    outage of etcd itself drops no node.
 
-    **Unreachable nodes.** A node cut off from its peers but not from etcd keeps heartbeating, so
+    **Unreachable nodes.** A node cut off from its peers but not from etcd keeps its lease, so
     every round would include it and forming the process group would wait for it. With
-    ``reach_check`` (the default), every completed round is checked first (:mod:`.reach`): the
-    nodes of a cut pair that the agents agree to leave out step out of the round and wait until
-    they reach every other node of the job again (:func:`_job_nodes`), then re-join; the others
+    ``reach_check`` (the default), every completed round is checked first (:mod:`.reach`, a bounded
+    number of probes per node): the nodes of a cut pair that the agents agree to leave out step out of
+    the round and wait until they reach every other node of the job again, then re-join; the others
     re-form at once without them.
 
-    **Re-joining.** torch removes a node from the round once its last heartbeat is older than
-    ``keep_alive_interval * keep_alive_max_attempt``. A node whose heartbeats could not reach
-    etcd that long (an etcd outage, a frozen agent) is removed although its workers still
-    train, and torch's agent restarts them only when other nodes wait; the next node to join
-    would then form a round, and a second job, of its own on the same checkpoints (seen with a
-    10 s etcd outage and a 3 s window). Counting this node as waiting makes its agent stop its
-    workers and re-join, so every node is again in one round.
+    **Re-joining.** A node whose lease expired while it lived (cut off from etcd longer than its
+    TTL, a frozen agent) is no longer in the round, although its workers still train, and torch's
+    agent restarts them only when other nodes wait; the next node to join would then form a round,
+    and a second job, of its own on the same checkpoints. Counting this node as waiting makes its
+    agent stop its workers and re-join, so every node is again in one round.
     """
+
+    _op_executor: _RoundsExecutor
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._op_executor: _OpExecutor = _OpExecutor(self._this_node, self._state_holder, self._settings)
         self._shut_down = False
         self._etcd_store: EtcdStore | None = None
+        self._rounds: Rounds | None = None
         self._outage_since: float | None = None
         self._last_probe = 0.0
         self._listener: reach.ProbeListener | None = None
@@ -442,24 +288,42 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """The round this node trains in, and its participants (a peer missing from them later is gone)."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
-    def attach(
-        self, store: EtcdStore, backend: EtcdRendezvousBackend, early_close: bool = True,
-        reach_timeout: float | None = None, local_addr_given: bool = True,
-    ) -> None:
-        """Give the handler the store and backend it was built on (torch's constructor takes both, but
-        keeps them where neither this class's probes nor the operation executor can see them), the
-        ``early_close`` setting (see :class:`_OpExecutor`), and the reachability check's timeout
-        (``None``: no check; see the class docstring) and whether torchrun was given ``--local-addr``
-        (the probe listener binds that address; without it, every interface)."""
-        self._etcd_store = store
-        self._op_executor.backend = backend
-        self._op_executor.early_close = early_close
-        self._reach_timeout = reach_timeout
-        self._local_addr_given = local_addr_given
+    @classmethod
+    def build(
+        cls, settings: EtcdRendezvousSettings, client: EtcdClient, min_nodes: int, max_nodes: int,
+        local_addr: str | None, local_addr_given: bool | None = None,
+    ) -> EtcdRendezvousHandler:
+        """The handler of one node on ``client``, its agents' store and its rounds (:mod:`.rounds`)."""
+        torch_settings = RendezvousSettings(
+            settings.run_id, min_nodes, max_nodes, settings.rendezvous_timeout(),
+            keep_alive_interval=timedelta(seconds=settings.keep_alive_interval),
+            keep_alive_max_attempt=settings.keep_alive_max_attempt,
+        )  # fmt: skip
+        records = LeaseKeeper(client, settings.ttl)
+        store = EtcdStore(client, settings.run_prefix + "store/", records, timedelta(seconds=settings.read_timeout),
+                          probe_timeout=settings.connect_timeout)
+        liveness = LeaseKeeper(client, liveness_ttl(settings))
+        rules = RoundRules(min_nodes, max_nodes, torch_settings.timeout.last_call, torch_settings.keep_alive_interval,
+                           early_close=settings.early_close)
+        rounds = Rounds(client, settings.run_prefix, rules, liveness, records)
+        holder = _RoundsState()
+        node = cls._node_desc_generator.generate(local_addr)
+        handler = cls(node, torch_settings, BACKEND_NAME, store, holder)
+        handler._etcd_store = store
+        handler._rounds = rounds
+        handler._op_executor = _RoundsExecutor(handler, rounds, holder)
+        handler._reach_timeout = settings.reach_timeout if settings.reach_check else None
+        handler._local_addr_given = bool(local_addr) if local_addr_given is None else local_addr_given
+        return handler
+
+    def member(self) -> Member:
+        """This node as its key describes it: descriptor and probe address."""
+        listener = self._probe_listener()
+        return Member(self._this_node, listener.address if listener is not None else "")
 
     def _probe_listener(self) -> reach.ProbeListener | None:
-        """This agent's probe listener, opened at the first round of more than one node (a job of one node
-        listens on nothing); ``None`` without the check or when this node's address cannot be bound."""
+        """This agent's probe listener, opened before its first join (its address goes into the node's key);
+        ``None`` without the check or when this node's address cannot be bound."""
         if self._listener is None and self._reach_timeout is not None:
             try:
                 # torchrun without --local-addr names this node by its FQDN, which may resolve to a
@@ -474,8 +338,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 )  # fmt: skip
                 self._reach_timeout = None
                 return None
-            if self._etcd_store is not None:  # where a node that stepped out finds it, whatever the round
-                self._etcd_store.set(reach.NODE_KEY % _node_key(self._this_node), self._listener.address)
         return self._listener
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -502,7 +364,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             listener = self._probe_listener() if info.world_size > 1 else None
             if listener is None or self._reach_timeout is None:
                 return self._training_in(info)
-            left_out = reach.check_round(info.store, info.rank, info.world_size, listener, self._reach_timeout)
+            formed = self._rounds_state().formed
+            addresses = [member.probe for member in formed.members] if formed is not None else []
+            left_out = reach.check_round(info.store, info.rank, info.world_size, addresses, self._reach_timeout)
             if not left_out:
                 return self._training_in(info)
             if info.rank in left_out:
@@ -533,35 +397,38 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         finally:
             self._op_executor.leaving = False
 
+    def _rounds_state(self) -> _RoundsState:
+        holder = self._state_holder
+        assert isinstance(holder, _RoundsState)
+        return holder
+
     def _wait_until_reachable(self, deadline: float) -> None:
-        """Return once this node reaches every other node of the job (:func:`_job_nodes`; at once when
-        there is none); probe every ``keep_alive_interval``.
+        """Return once this node reaches the nodes of the job nearest to it (at most ``reach.PROBES`` of them, in
+        node-key order after this one's; at once when there is none); probe every ``keep_alive_interval``.
 
         Raises:
             RendezvousClosedError: the job ended meanwhile.
             RendezvousTimeoutError: still cut off after ``join_timeout``.
         """
-        assert self._reach_timeout is not None and self._etcd_store is not None
+        assert self._reach_timeout is not None and self._rounds is not None
         started = time.monotonic()
+        me = node_key(self._this_node)
         while True:
             try:
-                if isinstance(self._state_holder, _BackendRendezvousStateHolder):
-                    self._state_holder._last_sync_time = -1.0  # read the state now, not torch's cached copy
-                self._state_holder.sync()
-                state = self._state_holder.state
-                if state.closed:
+                if self._rounds.is_closed():
                     raise RendezvousClosedError()
-                others = sorted(_job_nodes(state) - {self._this_node}, key=str)
+                others = self._rounds.job_nodes(exclude=me)
                 if not others:
                     return
-                keys = [_node_key(node) for node in others]
-                addresses = reach.node_addresses(self._etcd_store, keys)
+                nearest = reach.successors(me, sorted(others), reach.PROBES)
+                addresses = {key: address for key in nearest
+                             if (address := reach.parse_address(others[key].encode())) is not None}
                 reached = reach.probe(addresses, self._reach_timeout)
-                if len(reached) == len(others):
-                    logger.warning("etcd-v3: this node reaches the %d other node(s) of round %d again after %.1f s; "
-                                   "re-joining", len(others), state.round, time.monotonic() - started)
+                if len(reached) == len(nearest):
+                    logger.warning("etcd-v3: this node reaches %d other node(s) of the job again after %.1f s; "
+                                   "re-joining", len(nearest), time.monotonic() - started)
                     return
-                logger.debug("etcd-v3: round %d: cannot reach %s", state.round, sorted(set(keys) - reached))
+                logger.debug("etcd-v3: cannot reach %s", sorted(set(nearest) - reached))
             except EtcdConnectionError as exc:
                 logger.info("etcd-v3: waiting to reach the other nodes; etcd does not answer: %s", exc)
             if time.monotonic() >= deadline:
@@ -587,6 +454,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             )  # fmt: skip
             return False
         return super().shutdown()
+
+    def is_closed(self) -> bool:
+        """See base class (one read of etcd)."""
+        assert self._rounds is not None
+        return self._rounds.is_closed()
 
     def leave(self) -> None:
         """Take this node out of the current round, so the others re-form without waiting for its
@@ -640,8 +512,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         """torch's ``num_nodes_waiting`` (sync the state, count its wait list) in about ``limit`` seconds at most.
 
         The agent polls this while its workers train, and a poll that lands as they exit delays the
-        agent's exit by as long as it takes. So neither of its waits rides out an outage: not the
-        heartbeat lock, which a heartbeat holds while its own write waits on etcd, nor the read.
+        agent's exit by as long as it takes. So it does not wait behind a heartbeat (which holds the
+        heartbeat lock while its keep-alive waits on etcd) longer than ``limit``.
 
         Raises:
             EtcdConnectionError: etcd did not answer within ``limit``.
@@ -649,9 +521,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if not self._heartbeat_lock.acquire(timeout=limit):
             raise EtcdConnectionError(f"a heartbeat has waited on etcd for over {limit:g} s")
         try:
-            backend = self._op_executor.backend
-            with backend.reads_within(limit) if backend is not None else nullcontext():
-                self._state_holder.sync()
+            self._state_holder.sync()  # the round's watch's view: no etcd call (raises while the watch gets no answer)
             return len(self._state_holder.state.wait_list)
         finally:
             self._heartbeat_lock.release()
@@ -673,23 +543,20 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         return self._etcd_store.answers()
 
     def _left_behind(self) -> bool:
-        # torch exposes neither the participants nor this node's descriptor; both are read from
-        # the state that super().num_nodes_waiting() has just synced.
         state = self._state_holder.state
         if self._this_node in state.participants:
             return False
         logger.warning(
-            "etcd-v3: this node (%s) is no longer a participant of round %d of rendezvous %s: its "
-            "heartbeats did not reach etcd for longer than keep_alive_interval*keep_alive_max_attempt "
-            "(an etcd outage?); restarting the worker group to re-join",
+            "etcd-v3: this node (%s) is no longer a participant of round %d of rendezvous %s: its lease "
+            "expired (its keep-alives did not reach etcd for keep_alive_interval*keep_alive_max_attempt); "
+            "restarting the worker group to re-join",
             self._this_node, state.round, self._settings.run_id,
         )  # fmt: skip
         return True
 
-
     def _peer_gone(self) -> bool:
-        """A peer of this node's round is no longer a participant: torch's heartbeat rule removed it (a node
-        killed, frozen or cut off), or it left. A peer gone silently may leave this node's workers blocked in
+        """A peer of this node's round is no longer a participant: its lease expired (a node killed, frozen or
+        cut off from etcd), or it left. A peer gone silently may leave this node's workers blocked in
         a collective that never fails (NCCL's; gloo's when the peer's connections stay open), and torch's
         agent restarts its workers only when they fail or other nodes wait. Counting a waiting node makes it
         stop them (their group watch abandons the blocked step) and re-form without the peer."""
@@ -709,10 +576,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         )  # fmt: skip
         self._members = None  # once per round: the agent restarts the group and re-joins
         return True
-
-
-def _node_key(node: _NodeDesc) -> str:
-    return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
 def _round_store_prefix(run_id: str, round_: int) -> str:
@@ -737,14 +600,22 @@ def _leave_at_exit(handler_ref: weakref.ref) -> None:
     thread.join(LEAVE_TIMEOUT_S)
 
 
-def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    """Build the backend and the agents' store from torchrun's rendezvous parameters.
+def liveness_ttl(settings: EtcdRendezvousSettings) -> int:
+    """The TTL of a node's liveness lease: ``keep_alive_interval * keep_alive_max_attempt`` (etcd grants at
+    least its own minimum, about 2 s with its default election timeout)."""
+    return max(1, settings.keep_alive_interval * settings.keep_alive_max_attempt)
+
+
+def create_store(params: RendezvousParameters) -> EtcdStore:
+    """The agents' store alone, from torchrun's rendezvous parameters (for tools and tests).
 
     Raises:
         EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
     settings = _settings(params)
-    return _backend_and_store(settings, GrpcEtcdClient(settings.client_options()))
+    client = GrpcEtcdClient(settings.client_options())
+    return EtcdStore(client, settings.run_prefix + "store/", LeaseKeeper(client, settings.ttl),
+                     timedelta(seconds=settings.read_timeout), probe_timeout=settings.connect_timeout)
 
 
 def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
@@ -755,14 +626,6 @@ def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
         settings.read_timeout, settings.client_options().secure, settings.user is not None,
     )  # fmt: skip
     return settings
-
-
-def _backend_and_store(settings: EtcdRendezvousSettings, client: EtcdClient) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    leases = LeaseKeeper(client, settings.ttl)
-    backend = EtcdRendezvousBackend(client, settings.run_prefix + "state", leases)
-    store = EtcdStore(client, settings.run_prefix + "store/", leases, timedelta(seconds=settings.read_timeout),
-                      probe_timeout=settings.connect_timeout)
-    return backend, store
 
 
 def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
@@ -777,17 +640,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = _settings(params)
     client = GrpcEtcdClient(settings.client_options())
     _first_contact(client, settings)
-    backend, store = _backend_and_store(settings, client)
     use_fresh_worker_store()
-    handler = EtcdRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
-        settings.rendezvous_timeout(), keep_alive_interval=settings.keep_alive_interval,
-        keep_alive_max_attempt=settings.keep_alive_max_attempt,
-    )  # fmt: skip
-    handler.attach(store, backend, early_close=settings.early_close,
-                   reach_timeout=settings.reach_timeout if settings.reach_check else None,
-                   local_addr_given=bool(params.local_addr))
-    return handler
+    return EtcdRendezvousHandler.build(settings, client, params.min_nodes, params.max_nodes, params.local_addr)
 
 
 def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None:

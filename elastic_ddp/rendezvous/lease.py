@@ -69,6 +69,19 @@ class LeaseKeeper:
                 self._refreshed_at = now
             return self._lease_id
 
+    def refresh(self) -> None:
+        """Refresh the lease if one was granted and ``ttl / 10`` has passed since its last refresh (a
+        keep-alive, not a raft write); grants none. A lease etcd no longer knows is forgotten: the next
+        write grants a new one."""
+        with self._lock:
+            now = self._clock()
+            if self._lease_id is None or now - self._refreshed_at < self._refresh_interval:
+                return
+            if self._client.lease_refresh(self._lease_id) <= 0:
+                logger.info("etcd lease %x expired", self._lease_id)
+                self._lease_id = None
+            self._refreshed_at = now
+
     def _forget(self, lease_id: int) -> None:
         with self._lock:
             if self._lease_id == lease_id:

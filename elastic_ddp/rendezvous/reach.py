@@ -1,24 +1,30 @@
 """Reachability between the nodes of a round: the ``etcd-v3`` rendezvous's ``reach_check``.
 
-A node cut off from its peers but not from etcd keeps heartbeating, so without this check
-every round includes it again and forming the process group waits for a peer that nobody can
-reach. With it, each agent, once a round completes:
+A node cut off from its peers but not from etcd keeps its lease, so without this check every round
+includes it again and forming the process group waits for a peer that nobody can reach. With it,
+each agent, once a round completes:
 
-1. publishes the address of its probe listener (a TCP socket the agent holds open for its
-   whole life, on its ``--local-addr``, or on every interface when torchrun was given none, as
-   the workers' store does) under the round's store as ``reach/addr/<rank>``;
-2. connects to every other agent's listener, all at once, each within ``reach_timeout``
-   (a connection needs packets both ways, so a one-way cut is a cut too);
-3. publishes the ranks it reached as ``reach/seen/<rank>``, and waits for the others' lists
-   until ``2 * reach_timeout`` after it started;
-4. computes which nodes to leave out (:func:`exclusions`) and proposes it with a
-   compare-and-set on ``reach/verdict``: the first proposal wins and every agent acts on that
-   one, so all agree even when a late list reached some of them and not others.
+1. knows every member's probe address from the round's membership (each node put the address of
+   its probe listener, a TCP socket the agent holds open for its whole life, into its node key);
+2. connects to the listeners of the :data:`PROBES` members after it on the ring of ranks, all at
+   once, each within ``reach_timeout`` (a connection needs packets both ways, so a one-way cut is a
+   cut too): a node makes at most :data:`PROBES` probes per round and receives at most as many,
+   whatever the size of the job;
+3. publishes the ranks it could not reach as ``reach/report/<rank>`` in the round's store;
+4. rank 0, the judge, waits for every report until ``2 * reach_timeout`` after it started (a node
+   that published none is left out), computes which nodes to leave out (:func:`exclusions`) and
+   writes it with a compare-and-set on ``reach/verdict``; every agent acts on that verdict. A node
+   that sees no verdict in time (the judge died) computes one itself from the reports and proposes
+   it with the same compare-and-set: the first proposal wins, so all still agree.
 
-A node left out steps out of the round and re-joins once it reaches every other node of the job
-again (those of the round, waiting for the next, or heartbeating); the others re-form without it
-at once (see ``etcd.EtcdRendezvousHandler``). When every node reaches every other, the check
-costs a few etcd round trips and no wait.
+A node cut off from everyone is reported by its :data:`PROBES` predecessors and reports its
+successors: it has twice as many cut links as anyone else and is the one left out. A cut between two
+nodes that are not within :data:`PROBES` of each other on the ring is not seen here; forming the
+process group then fails and the agents restart it.
+
+A node left out steps out of the round and re-joins once it reaches the nodes of the job nearest to
+it again; the others re-form at once without it (see ``etcd.EtcdRendezvousHandler``). When every node
+reaches its neighbours, the check costs one write per node and one for the verdict, and no wait.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TypeVar
@@ -38,11 +44,11 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-ADDRESS_KEY = "reach/addr/%d"
-SEEN_KEY = "reach/seen/%d"
+REPORT_KEY = "reach/report/%d"
 VERDICT_KEY = "reach/verdict"
-NODE_KEY = "reach/node/%s"
-"""Outside any round: a node's probe address by its rendezvous descriptor, for a node that stepped out."""
+PROBES = 3
+"""How many ring neighbours each node probes per round (and at most how many probe it)."""
+JUDGE = 0
 _NONE = "-"
 """How an empty rank list is written (a store value must not be empty: compare-and-set reads b"" as missing)."""
 
@@ -120,24 +126,36 @@ def probe(addresses: Mapping[T, tuple[str, int]], timeout: float) -> frozenset[T
     return frozenset(key for key, ok in outcomes.items() if ok)
 
 
-def exclusions(world_size: int, seen: Mapping[int, frozenset[int] | None]) -> frozenset[int]:
-    """Which ranks to leave out so that every remaining pair reaches each other.
+def successors(item: T, ring: list[T], count: int) -> list[T]:
+    """The ``count`` items after ``item`` on ``ring`` (wrapping; never ``item`` itself; ``item`` need not be on
+    it: then those after where it would sort)."""
+    others = [other for other in ring if other != item]
+    if not others:
+        return []
+    start = next((index for index, other in enumerate(others) if other > item), 0)  # type: ignore[operator]
+    return [others[(start + offset) % len(others)] for offset in range(min(count, len(others)))]
 
-    ``seen[r]`` is the set of ranks rank ``r`` reached (``None`` or missing: ``r`` published no list,
-    so it is left out). A pair is cut when either side failed to reach the other. Greedy and
-    deterministic: the node with the most cut links goes first, the higher rank on a tie (so in a
-    two-node cut rank 0 stays).
+
+def ring_targets(rank: int, world_size: int, count: int = PROBES) -> list[int]:
+    """The ranks ``rank`` probes: the ``count`` after it on the ring of ranks."""
+    return [(rank + offset) % world_size for offset in range(1, min(count, world_size - 1) + 1)]
+
+
+def exclusions(world_size: int, reports: Mapping[int, frozenset[int] | None]) -> frozenset[int]:
+    """Which ranks to leave out so that no reported cut remains.
+
+    ``reports[r]`` is the set of ranks rank ``r`` probed and could not reach (``None`` or missing: ``r``
+    published no report, so it is left out). Greedy and deterministic: the node with the most cut links
+    goes first, the higher rank on a tie (so in a two-node cut rank 0 stays).
     """
-    excluded = {rank for rank in range(world_size) if seen.get(rank) is None}
+    excluded = {rank for rank in range(world_size) if reports.get(rank) is None}
     cut: set[tuple[int, int]] = set()
-    for a in range(world_size):
-        for b in range(a + 1, world_size):
-            if a in excluded or b in excluded:
-                continue
-            seen_a, seen_b = seen[a], seen[b]
-            assert seen_a is not None and seen_b is not None
-            if b not in seen_a or a not in seen_b:
-                cut.add((a, b))
+    for rank, unreached in reports.items():
+        if unreached is None or rank in excluded:
+            continue
+        for other in unreached:
+            if other not in excluded and other != rank:
+                cut.add((min(rank, other), max(rank, other)))
     while cut:
         links = Counter(rank for pair in cut for rank in pair)
         worst = max(links, key=lambda rank: (links[rank], rank))
@@ -166,41 +184,42 @@ def decode_ranks(value: bytes, world_size: int) -> frozenset[int] | None:
     return ranks if all(rank < world_size for rank in ranks) else None
 
 
-def check_round(store: dist.Store, rank: int, world_size: int, listener: ProbeListener, timeout: float) -> frozenset[int]:
-    """Run the check for one completed round (steps 1-4 of the module docstring) on the round's store;
-    the ranks every agent of the round agreed to leave out."""
+def check_round(
+    store: dist.Store, rank: int, world_size: int, addresses: Sequence[str], timeout: float
+) -> frozenset[int]:
+    """Run the check for one completed round (steps 2-4 of the module docstring) on the round's store;
+    ``addresses[r]`` is rank ``r``'s probe address (empty: it has no listener). Returns the ranks every
+    agent of the round agreed to leave out."""
     started = time.monotonic()
     deadline = started + 2 * timeout
-    others = [other for other in range(world_size) if other != rank]
-    store.set(ADDRESS_KEY % rank, listener.address)
-    targets = _addresses(others, _read_present(store, [ADDRESS_KEY % other for other in others], deadline - timeout))
-    reached = probe(targets, timeout) | {rank}
-    store.set(SEEN_KEY % rank, encode_ranks(reached))
-    lists = _read_present(store, [SEEN_KEY % other for other in range(world_size)], deadline)
-    seen = {other: decode_ranks(value, world_size) if value is not None else None for other, value in enumerate(lists)}
-    proposal = encode_ranks(exclusions(world_size, seen))
-    agreed = decode_ranks(store.compare_set(VERDICT_KEY, "", proposal), world_size)
+    targets = ring_targets(rank, world_size)
+    known = {target: address for target in targets
+             if target < len(addresses) and (address := parse_address(addresses[target].encode())) is not None}
+    reached = probe(known, timeout)
+    unreached = frozenset(targets) - reached
+    store.set(REPORT_KEY % rank, encode_ranks(unreached))
+    agreed: frozenset[int] | None = None
+    if rank == JUDGE:
+        agreed = _propose(store, world_size, deadline)
+    else:
+        verdict = _read_present(store, [VERDICT_KEY], deadline + timeout)[0]
+        agreed = decode_ranks(verdict, world_size) if verdict is not None else _propose(store, world_size, 0.0)
     if agreed is None:
         raise ValueError(f"etcd-v3: the round's reachability verdict is malformed in the store (key {VERDICT_KEY})")
-    unreached = sorted(set(targets) - reached)
     if agreed or unreached:
         logger.warning(
-            "etcd-v3: reachability check of rank %d in %.2f s: unreached %s, unpublished %s; the round leaves out %s",
-            rank, time.monotonic() - started, unreached or "none",
-            sorted(set(others) - set(targets)) or "none", sorted(agreed) or "nobody",
+            "etcd-v3: reachability check of rank %d in %.2f s: unreached %s; the round leaves out %s",
+            rank, time.monotonic() - started, sorted(unreached) or "none", sorted(agreed) or "nobody",
         )  # fmt: skip
     return agreed
 
 
-def node_addresses(store: dist.Store, nodes: list[str]) -> dict[str, tuple[str, int]]:
-    """The probe addresses the given nodes published under :data:`NODE_KEY` (those present and well formed)."""
-    return _addresses(nodes, _read_present(store, [NODE_KEY % node for node in nodes], deadline=0.0))
-
-
-def _addresses(ids: Iterable[T], values: Iterable[bytes | None]) -> dict[T, tuple[str, int]]:
-    """Each id's address from the value read for it, leaving out the missing and the malformed."""
-    return {key: address for key, value in zip(ids, values)
-            if value is not None and (address := parse_address(value)) is not None}
+def _propose(store: dist.Store, world_size: int, deadline: float) -> frozenset[int] | None:
+    """Read the reports (waiting for all of them until ``deadline``), propose a verdict, return the one agreed."""
+    values = _read_present(store, [REPORT_KEY % other for other in range(world_size)], deadline)
+    reports = {other: decode_ranks(value, world_size) if value is not None else None for other, value in enumerate(values)}
+    proposal = encode_ranks(exclusions(world_size, reports))
+    return decode_ranks(store.compare_set(VERDICT_KEY, "", proposal), world_size)
 
 
 def _read_present(store: dist.Store, keys: list[str], deadline: float) -> list[bytes | None]:

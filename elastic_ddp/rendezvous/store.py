@@ -225,16 +225,27 @@ class EtcdStore(dist.Store):
         return b"%s%s-%d" % (self._marker_prefix, self._instance, next(self._add_calls))
 
     def _wait_for(self, keys: Sequence[str], deadline: float) -> list[KeyValue]:
-        """Read all keys at one revision once all exist; watch the first missing one meanwhile."""
+        """All keys' values once all exist. Reads them once, then watches the range that spans the missing ones
+        and takes each from the event that writes it: waiting for N keys costs one read and N events, not a
+        read of all N per arrival (rank 0's agent waits for every agent's key each round)."""
+        names = {self._key(key): key for key in keys}
         etcd_keys = [self._key(key) for key in keys]
-        while True:
-            values, revision = self._client.get_many(etcd_keys)
-            missing = [key for key, value in zip(keys, values) if value is None]
-            if not missing:
-                return [value for value in values if value is not None]
-            self._check_deadline(deadline, missing, "wait for")
-            slice_s = min(deadline - time.monotonic(), _WATCH_SLICE_S)
-            self._client.wait_for_put(self._key(missing[0]), revision, max(slice_s, 0.001))
+        values, revision = self._client.get_many(etcd_keys)
+        found = {key: value for key, value in zip(etcd_keys, values) if value is not None}
+        while len(found) < len(names):
+            missing = sorted(names.keys() - found.keys())
+            self._check_deadline(deadline, [names[key] for key in missing], "wait for")
+            slice_s = max(min(deadline - time.monotonic(), _WATCH_SLICE_S), 0.001)
+            changes = self._client.wait_for_changes(missing[0], missing[-1] + b"\x00", revision, slice_s)
+            if changes.compacted:
+                values, revision = self._client.get_many(missing)
+                found.update((key, value) for key, value in zip(missing, values) if value is not None)
+                continue
+            for event in changes.events:
+                revision = max(revision, event.kv.mod_revision)
+                if not event.deleted and event.kv.key in names:
+                    found[event.kv.key] = event.kv
+        return [found[key] for key in etcd_keys]
 
     def _check_deadline(self, deadline: float, keys: Sequence[str], action: str) -> None:
         if time.monotonic() >= deadline:

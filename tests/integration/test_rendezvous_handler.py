@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from chaos.cluster import fork_servers, kill_fork_servers
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import handler_factory, reach
+from elastic_ddp.rendezvous.rounds import node_key
 from tests.fixtures.etcd_proc import EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -406,8 +407,8 @@ def test_a_node_cut_off_from_its_peers_but_not_from_etcd_is_left_out_and_rejoins
 
 def test_a_node_left_out_waits_for_the_others_even_while_they_are_between_rounds(
         etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The left-out node steps out last: the other two already left the checked round for the next, so that
-    round is open with nobody in it yet (they wait on torch's wait list). The node must still count them as
+    """The left-out node steps out last: the other two already left the checked round for the next, where
+    they wait for it to form. The node must still count them as
     the job's nodes and wait until it reaches them; re-joining at once put it in the next round again, and
     every node paid one more check (a re-formation 15 s late in a three-namespace chaos run)."""
     cut_off = threading.Event()
@@ -419,14 +420,15 @@ def test_a_node_left_out_waits_for_the_others_even_while_they_are_between_rounds
     step_outs: list[int] = []
 
     def step_out_last(left_out: frozenset[int], world_size: int) -> None:
-        holder = isolated._state_holder  # type: ignore[attr-defined]
+        rounds_ = isolated._rounds  # type: ignore[attr-defined]
         deadline = time.monotonic() + 30
-        while not step_outs and not others <= holder.state.wait_list:  # the others left this round, and wait
+        while not step_outs:  # until the other two left the checked round for the next, and wait there
+            joined, _ = rounds_._client.range_prefix(rounds_.join_prefix(1))
+            if {kv.key.rsplit(b"/", 1)[-1].decode() for kv in joined} >= {node_key(node) for node in others}:
+                break
             assert time.monotonic() < deadline, "the other two never left the checked round"
             time.sleep(0.05)
-            holder._last_sync_time = -1.0
-            holder.sync()
-        step_outs.append(holder.state.round)
+        step_outs.append(isolated._state_holder.state.round)  # type: ignore[attr-defined]
         step_out(left_out, world_size)
 
     monkeypatch.setattr(isolated, "_step_out", step_out_last)

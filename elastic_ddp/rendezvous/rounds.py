@@ -1,0 +1,572 @@
+"""The ``etcd-v3`` rendezvous's rounds: one key per node under its own lease, one closer per round.
+
+Every operation here costs etcd work that grows linearly with the number of nodes N (docs/design.md,
+"Rendezvous"):
+
+- **Joining** a round is one transaction per node: it puts the node's key under the node's
+  *liveness lease* and, in the same transaction, deletes the key it held in an earlier round. The
+  first node to join a round also creates the round's closer key in that transaction (compare on
+  the key's create revision): that node is the round's **closer**.
+- **Liveness** is the lease. Its keep-alive goes to etcd's leader and is not a raft write; a node
+  that dies disappears when its lease expires (``keep_alive_interval * keep_alive_max_attempt``),
+  one that leaves deletes its key at once.
+- **Closing**: only the closer watches the joins. It applies torch's rules (``min_nodes`` opens a
+  last call of ``last_call_timeout``, ``max_nodes`` closes at once; after a running round, the round
+  closes as soon as every live node of the job joined it: see :meth:`Rounds._decide`) and writes the
+  round's membership once. If the closer dies, its key vanishes with its lease, and the first waiting
+  node to re-create the key takes over.
+- **Everyone else** watches the round's two control keys and learns the membership from the one
+  event that writes it. A node that trains watches its round's node keys and the next round's (a
+  peer gone, a node waiting) from the revision the membership was decided at.
+
+Keys (``<p>`` = the run's prefix, ``<n>`` = the round, ten digits)::
+
+    <p>closed                 the job is over (set_closed, shutdown)
+    <p>latest                 the newest formed round's number
+    <p>round/<n>/c/closer     round n's closer (its node key; liveness lease)
+    <p>round/<n>/c/members    round n's membership in rank order, written once by its closer
+    <p>round/<n>/j/<node>     a node joining or training in round n (its descriptor; liveness lease)
+    <p>round/<n>/s/<node>     a spare: it came when max_nodes were training; joins round n when it opens
+
+``closed``, ``latest`` and the membership are written under the writer's long lease (``ttl``), so a
+run id used again after its nodes are gone starts afresh once ``ttl`` has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+from elastic_ddp.rendezvous._torch_compat import _NodeDesc
+from elastic_ddp.rendezvous.client import Absent, Delete, EtcdClient, KeyValue, Op, Put, Read, TxnResult
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdStateError
+from elastic_ddp.rendezvous.lease import LeaseKeeper
+
+logger = logging.getLogger(__name__)
+
+_ROUND_DIGITS = 10
+_MAX_VALUE_BYTES = 1024
+"""The most a node key's value may hold (a descriptor and a probe address)."""
+_MAX_MEMBERS = 1_000_000
+
+
+def node_key(node: _NodeDesc) -> str:
+    """The node's name in keys: ``<addr>_<pid>_<local_id>``."""
+    return f"{node.addr}_{node.pid}_{node.local_id}"
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node as its key describes it."""
+
+    node: _NodeDesc
+    probe: str = ""
+    """``host:port`` of the node's reachability probe listener; empty without one."""
+
+    @property
+    def key(self) -> str:
+        return node_key(self.node)
+
+    def encode(self) -> dict[str, object]:
+        return {"addr": self.node.addr, "pid": self.node.pid, "local_id": self.node.local_id, "probe": self.probe}
+
+    @staticmethod
+    def decode(value: object) -> Member:
+        """Raises ``ValueError`` unless ``value`` is a well-formed descriptor."""
+        if not isinstance(value, dict):
+            raise ValueError("a node descriptor is not an object")
+        addr, pid, local_id, probe = (value.get(name) for name in ("addr", "pid", "local_id", "probe"))
+        if not isinstance(addr, str) or not addr or len(addr) > 255:
+            raise ValueError("a node descriptor's addr is not a host name")
+        if not isinstance(pid, int) or not isinstance(local_id, int) or isinstance(pid, bool) or isinstance(local_id, bool) \
+                or pid < 0 or local_id < 0:
+            raise ValueError("a node descriptor's pid or local_id is not a non-negative integer")
+        if not isinstance(probe, str) or len(probe) > 300:
+            raise ValueError("a node descriptor's probe address is not a string")
+        return Member(_NodeDesc(addr, pid, local_id), probe)
+
+
+@dataclass(frozen=True)
+class Formed:
+    """A round's membership, as its closer wrote it."""
+
+    round: int
+    members: tuple[Member, ...]
+    """In rank order (torch's: sorted by node descriptor)."""
+    revision: int
+    """The etcd revision the closer's view was at: a node that trains in the round watches from there."""
+
+    def rank_of(self, node: _NodeDesc) -> int | None:
+        for rank, member in enumerate(self.members):
+            if member.node == node:
+                return rank
+        return None
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.round, "revision": self.revision,
+                           "members": [member.encode() for member in self.members]}, separators=(",", ":")).encode()
+
+    @staticmethod
+    def decode(payload: bytes, where: str) -> Formed:
+        """Raises :class:`EtcdStateError` naming ``where`` unless ``payload`` is a membership this module wrote."""
+        try:
+            value = json.loads(payload)
+            if not isinstance(value, dict):
+                raise ValueError("not an object")
+            round_, revision, members = value.get("round"), value.get("revision"), value.get("members")
+            if not isinstance(round_, int) or round_ < 0 or not isinstance(revision, int) or revision < 0:
+                raise ValueError("round or revision is not a non-negative integer")
+            if not isinstance(members, list) or not 0 < len(members) <= _MAX_MEMBERS:
+                raise ValueError("members is not a non-empty list")
+            decoded = tuple(Member.decode(member) for member in members)
+        except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise EtcdStateError(f"etcd-v3: the round membership at etcd key {where} is corrupt ({exc}); delete "
+                                 "the run's keys or use another --rdzv-id") from exc
+        return Formed(round_, decoded, revision)
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """torch's rendezvous settings that decide when a round closes."""
+
+    min_nodes: int
+    max_nodes: int
+    last_call: timedelta
+    keep_alive_interval: timedelta
+    early_close: bool = True
+
+
+@dataclass
+class RunningView:
+    """What a node training in a round knows about it: kept by :class:`RoundWatch` from etcd's events."""
+
+    formed: Formed
+    alive: set[str] = field(default_factory=set)
+    """Node keys of the round's members whose key still exists."""
+    waiting: dict[str, _NodeDesc] = field(default_factory=dict)
+    """Nodes that joined the next round."""
+    error: EtcdConnectionError | None = None
+    """Set while etcd does not answer the watch."""
+
+
+class Rounds:
+    """One node's side of the protocol (module docstring). Thread-safe for one joining thread plus
+    keep-alives and leaves from others."""
+
+    def __init__(
+        self, client: EtcdClient, prefix: str, rules: RoundRules, liveness: LeaseKeeper, records: LeaseKeeper,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix.encode()
+        self._rules = rules
+        self._liveness = liveness
+        self._records = records
+        self._held: set[bytes] = set()
+        """Keys this node holds under its liveness lease (a join or spare key, a closer key)."""
+        self._lock = threading.Lock()
+        self.closer_of: int | None = None
+        """The round this node closed last (for logs and tests)."""
+
+    # -- keys ----------------------------------------------------------------------------
+
+    @property
+    def prefix(self) -> bytes:
+        return self._prefix
+
+    def round_prefix(self, round_: int) -> bytes:
+        return self._prefix + b"round/%0*d/" % (_ROUND_DIGITS, round_)
+
+    def join_prefix(self, round_: int) -> bytes:
+        return self.round_prefix(round_) + b"j/"
+
+    def _control(self, round_: int) -> bytes:
+        return self.round_prefix(round_) + b"c/"
+
+    def _closer_key(self, round_: int) -> bytes:
+        return self._control(round_) + b"closer"
+
+    def _members_key(self, round_: int) -> bytes:
+        return self._control(round_) + b"members"
+
+    def _spare_key(self, round_: int, member: Member) -> bytes:
+        return self.round_prefix(round_) + b"s/" + member.key.encode()
+
+    def _join_key(self, round_: int, member: Member) -> bytes:
+        return self.join_prefix(round_) + member.key.encode()
+
+    @property
+    def _closed_key(self) -> bytes:
+        return self._prefix + b"closed"
+
+    @property
+    def _latest_key(self) -> bytes:
+        return self._prefix + b"latest"
+
+    # -- what the handler calls -------------------------------------------------------------
+
+    def join(self, me: Member, deadline: float, previous: Formed | None) -> Formed:
+        """Join the next round this node can train in and return it once formed.
+
+        ``previous``: the round this node trained in, if any (a re-join goes to a later round).
+
+        Raises:
+            RendezvousClosedError: the job is over.
+            RendezvousGracefulExitError: the job ended while this node waited as a spare.
+            RendezvousTimeoutError: no round formed with this node before ``deadline`` (monotonic).
+        """
+        while True:
+            latest = self._latest()
+            target = 0 if latest is None else latest.round + 1
+            if previous is not None and target <= previous.round:
+                target = previous.round + 1
+            if latest is not None and latest.rank_of(me.node) is None and target == latest.round + 1:
+                training = self._client.count_prefix(self.join_prefix(latest.round))
+                if training >= self._rules.max_nodes:
+                    self._wait_as_spare(me, target)
+            result = self._enter(me, target)
+            if result.reads[0] is not None:  # formed before this node's key landed: try the next round
+                previous = Formed.decode(result.reads[0].value, self._members_key(target).decode())
+                continue
+            if result.succeeded:
+                formed = self._close(target, deadline, result.revision, me)
+            else:
+                formed = self._await_members(target, deadline, result.revision, me)
+            if formed.rank_of(me.node) is not None:
+                return formed
+            logger.info("etcd-v3: round %d formed with max_nodes=%d others; this node waits for the next",
+                        formed.round, self._rules.max_nodes)
+            previous = formed
+
+    def leave(self) -> None:
+        """Delete every key this node holds under its liveness lease (its node leaves the job or steps out)."""
+        with self._lock:
+            held, self._held = sorted(self._held), set()
+        if held:
+            self._client.transact([], [Delete(key) for key in held])
+
+    def keep_alive(self) -> None:
+        """Refresh this node's leases (keep-alives: not raft writes)."""
+        self._liveness.refresh()
+        self._records.refresh()
+
+    def close_job(self) -> None:
+        self._records.write(lambda lease: self._client.put(self._closed_key, b"1", lease))
+
+    def is_closed(self, timeout: float | None = None) -> bool:
+        return self._client.get(self._closed_key, timeout=timeout) is not None
+
+    def job_nodes(self, exclude: str) -> dict[str, str]:
+        """The probe address of every node of the job but ``exclude`` (training in the newest round,
+        joining the next, or waiting as a spare)."""
+        latest = self._latest()
+        rounds = [0] if latest is None else [latest.round, latest.round + 1]
+        found: dict[str, str] = {}
+        for round_ in rounds:
+            kvs, _ = self._client.range_prefix(self.round_prefix(round_))
+            for kv in kvs:
+                if kv.key.startswith(self._control(round_)):
+                    continue
+                member = self._member(kv)
+                if member is not None and member.key != exclude:
+                    found[member.key] = member.probe
+        return found
+
+    def watch(self, formed: Formed, me: Member) -> RoundWatch:
+        """Start watching ``formed`` for a peer gone and a node waiting (see :class:`RoundWatch`)."""
+        return RoundWatch(self, formed, me)
+
+    # -- joining -------------------------------------------------------------------------------
+
+    def _latest(self) -> Formed | None:
+        """The newest formed round (``None`` before the first). Raises RendezvousClosedError when closed."""
+        (closed, latest), _ = self._client.get_many([self._closed_key, self._latest_key])
+        if closed is not None:
+            raise RendezvousClosedError()
+        if latest is None:
+            return None
+        try:
+            round_ = int(latest.value.decode("ascii"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise EtcdStateError(f"etcd-v3: etcd key {self._latest_key.decode()} holds no round number") from exc
+        members = self._client.get(self._members_key(round_))
+        if members is None:
+            return None if round_ == 0 else Formed(round_, (), 0)
+        return Formed.decode(members.value, self._members_key(round_).decode())
+
+    def _enter(self, me: Member, round_: int) -> TxnResult:
+        """One transaction: put this node's key in ``round_`` (the closer key too if it is the first), drop its
+        older keys, and read the round's membership (present: formed without this node)."""
+        key = self._join_key(round_, me)
+        value = json.dumps(me.encode(), separators=(",", ":")).encode()
+        with self._lock:
+            drop: list[Op] = [Delete(old) for old in sorted(self._held) if old != key]
+        closer = self._closer_key(round_)
+
+        def transact(lease: int) -> TxnResult:
+            common = [Put(key, value, lease), *drop, Read(self._members_key(round_))]
+            return self._client.transact([(closer, Absent())], [Put(closer, me.key.encode(), lease), *common], common)
+
+        result = self._liveness.write(transact)
+        with self._lock:
+            self._held = {key, closer} if result.succeeded else {key}
+        return result
+
+    def _wait_as_spare(self, me: Member, round_: int) -> None:
+        """Wait as a spare until ``round_`` opens (some node joins it): max_nodes train without this node."""
+        key = self._spare_key(round_, me)
+        value = json.dumps(me.encode(), separators=(",", ":")).encode()
+        with self._lock:
+            drop: list[Op] = [Delete(old) for old in sorted(self._held) if old != key]
+        result = self._liveness.write(lambda lease: self._client.transact([], [Put(key, value, lease), *drop]))
+        with self._lock:
+            self._held = {key}
+        logger.info("etcd-v3: %d nodes train already (max_nodes); this node waits as a spare for round %d",
+                    self._rules.max_nodes, round_)
+        revision, prefix = result.revision, self.round_prefix(round_)
+        joins = (self.join_prefix(round_), self._control(round_))
+        while True:
+            changes = self._client.wait_for_changes(prefix, _prefix_end(prefix), revision,
+                                                    self._rules.keep_alive_interval.total_seconds())
+            self.keep_alive()
+            for event in changes.events:
+                revision = max(revision, event.kv.mod_revision)
+                if not event.deleted and event.kv.key.startswith(joins):
+                    return
+            if changes.compacted or not changes.events:
+                if self.is_closed():
+                    raise RendezvousGracefulExitError(f"the rendezvous is closed; spare {me.key} exits")
+                kvs, revision = self._client.range_prefix(prefix)
+                if any(kv.key.startswith(joins) for kv in kvs):
+                    return
+
+    def _await_members(self, round_: int, deadline: float, after: int, me: Member) -> Formed:
+        """Wait for ``round_``'s membership; take over as closer if the closer's key vanishes."""
+        control = self._control(round_)
+        revision = after
+        next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._give_up(round_)
+            slice_s = min(remaining, self._rules.keep_alive_interval.total_seconds())
+            changes = self._client.wait_for_changes(control, _prefix_end(control), revision, slice_s)
+            takeover = changes.compacted
+            for event in changes.events:
+                revision = max(revision, event.kv.mod_revision)
+                if event.kv.key == self._members_key(round_) and not event.deleted:
+                    return Formed.decode(event.kv.value, event.kv.key.decode())
+                if event.kv.key == self._closer_key(round_) and event.deleted:
+                    takeover = True
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+                self.keep_alive()
+                if self.is_closed():
+                    self.leave()
+                    raise RendezvousClosedError()
+                takeover = True  # look at the control keys again: a missed event must not stall the join
+            if takeover:
+                result = self._liveness.write(lambda lease: self._client.transact(
+                    [(self._closer_key(round_), Absent())],
+                    [Put(self._closer_key(round_), me.key.encode(), lease), Read(self._members_key(round_))],
+                    [Read(self._members_key(round_))],
+                ))
+                if result.reads[0] is not None:
+                    return Formed.decode(result.reads[0].value, self._members_key(round_).decode())
+                if result.succeeded:
+                    with self._lock:
+                        self._held.add(self._closer_key(round_))
+                    logger.warning("etcd-v3: the closer of round %d is gone; this node closes it", round_)
+                    return self._close(round_, deadline, result.revision, me)
+                revision = max(revision, result.revision)
+
+    def _give_up(self, round_: int) -> None:
+        self.leave()
+        raise RendezvousTimeoutError(f"etcd-v3: round {round_} did not form with this node within join_timeout")
+
+    def _close(self, round_: int, deadline: float, after: int, me: Member) -> Formed:
+        """As the round's closer: watch the joins (and the previous round's nodes) until the rules close the
+        round, then write its membership once."""
+        self.closer_of = round_
+        low = self.join_prefix(round_ - 1) if round_ > 0 else self.round_prefix(round_)
+        high = _prefix_end(self.round_prefix(round_))
+        previous = self._previous_members(round_)
+        kvs, revision = self._client.range_prefix(low, end=high)
+        keys = {kv.key: kv for kv in kvs if self._valid(round_, kv)}
+        last_call: float | None = None
+        next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+        while True:
+            joined = sorted((kv for key, kv in keys.items() if key.startswith(self.join_prefix(round_))),
+                            key=lambda kv: kv.create_revision)
+            count = len(joined)
+            draining = self._draining(round_, keys)
+            if count < self._rules.min_nodes or draining:
+                last_call = None
+            elif last_call is None:
+                last_call = time.monotonic() + self._rules.last_call.total_seconds()
+            chosen = None if draining else self._decide(round_, joined, keys, previous, last_call)
+            if chosen is not None:
+                return self._write_members(round_, chosen, revision)
+            now = time.monotonic()
+            if now >= deadline:
+                self._give_up(round_)
+            if now >= next_check:
+                next_check = now + self._rules.keep_alive_interval.total_seconds()
+                self.keep_alive()
+                if self.is_closed():
+                    self.leave()
+                    raise RendezvousClosedError()
+            wake = min(deadline, next_check) if last_call is None else min(deadline, next_check, last_call)
+            changes = self._client.wait_for_changes(low, high, revision, max(0.001, wake - time.monotonic()))
+            if changes.compacted:
+                kvs, revision = self._client.range_prefix(low, end=high)
+                keys = {kv.key: kv for kv in kvs if self._valid(round_, kv)}
+                continue
+            for event in changes.events:
+                revision = max(revision, event.kv.mod_revision)
+                if event.deleted:
+                    keys.pop(event.kv.key, None)
+                elif self._valid(round_, event.kv):
+                    keys[event.kv.key] = event.kv
+
+    def _valid(self, round_: int, kv: KeyValue) -> bool:
+        """Whether the closer counts ``kv``: anything but a join of ``round_`` counts as it is; a join only if it
+        holds a node descriptor (a value this protocol did not write is ignored, with a warning)."""
+        return not kv.key.startswith(self.join_prefix(round_)) or self._member(kv) is not None
+
+    def _previous_members(self, round_: int) -> frozenset[str]:
+        if round_ == 0:
+            return frozenset()
+        current = self._client.get(self._members_key(round_ - 1))
+        if current is None:
+            return frozenset()
+        return frozenset(member.key for member in Formed.decode(current.value, self._members_key(round_ - 1).decode()).members)
+
+    def _decide(
+        self, round_: int, joined: list[KeyValue], keys: dict[bytes, KeyValue], previous: frozenset[str],
+        last_call: float | None,
+    ) -> list[KeyValue] | None:
+        """The joins the round closes with now, or ``None`` to wait: torch's rules, and the early close."""
+        rules = self._rules
+        if len(joined) >= rules.max_nodes:
+            return joined[: rules.max_nodes]
+        if len(joined) < rules.min_nodes:
+            return None
+        if last_call is not None and time.monotonic() >= last_call:
+            return joined
+        if rules.early_close and previous and not any(key.startswith(self.round_prefix(round_) + b"s/") for key in keys):
+            # a re-formation: every live node of the job joined (none trains in the previous round any more,
+            # none waits as a spare), and at least one of them trained in it
+            names = {kv.key[len(self.join_prefix(round_)):].decode(errors="replace") for kv in joined}
+            if names & previous:
+                return joined
+        return None
+
+    def _draining(self, round_: int, keys: dict[bytes, KeyValue]) -> bool:
+        """Whether a node of the previous round still holds its key there: it trains on, and will join this
+        round once its agent sees a node waiting (as in torch, a round opens once the last one emptied)."""
+        return round_ > 0 and any(key.startswith(self.join_prefix(round_ - 1)) for key in keys)
+
+    def _write_members(self, round_: int, chosen: list[KeyValue], revision: int) -> Formed:
+        members = [member for kv in chosen if (member := self._member(kv)) is not None]
+        members.sort(key=lambda member: member.node)
+        formed = Formed(round_, tuple(members), revision)
+        result = self._records.write(lambda lease: self._client.transact(
+            [(self._members_key(round_), Absent())],
+            [Put(self._members_key(round_), formed.encode(), lease), Put(self._latest_key, b"%d" % round_, lease)],
+            [Read(self._members_key(round_))],
+        ))
+        if not result.succeeded and result.reads[0] is not None:
+            return Formed.decode(result.reads[0].value, self._members_key(round_).decode())
+        logger.info("etcd-v3: round %d formed with %d nodes (this node closed it)", round_, len(members))
+        return formed
+
+    def _member(self, kv: KeyValue) -> Member | None:
+        """The descriptor in a node key; ``None`` (with a warning) for a value this protocol did not write."""
+        try:
+            if len(kv.value) > _MAX_VALUE_BYTES:
+                raise ValueError("%d bytes" % len(kv.value))
+            return Member.decode(json.loads(kv.value))
+        except ValueError as exc:
+            logger.warning("etcd-v3: ignoring etcd key %r: not a node descriptor (%s)", kv.key, exc)
+            return None
+
+
+class RoundWatch:
+    """A training node's watch on its round: which members' keys still exist, and who joined the next
+    round. It stops at the first change either way (the agent then restarts its workers and re-joins),
+    so a re-formation does not send every node every other node's moves."""
+
+    def __init__(self, rounds: Rounds, formed: Formed, me: Member) -> None:
+        self.view = RunningView(formed, alive={member.key for member in formed.members})
+        self._rounds = rounds
+        self._me = me
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="etcd-v3-round-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def changed(self) -> bool:
+        view = self.view
+        return bool(view.waiting) or len(view.alive) != len(view.formed.members)
+
+    def _run(self) -> None:
+        rounds, formed = self._rounds, self.view.formed
+        current, following = rounds.join_prefix(formed.round), rounds.join_prefix(formed.round + 1)
+        low, high = current, _prefix_end(following)
+        revision = formed.revision
+        slice_s = rounds._rules.keep_alive_interval.total_seconds()
+        while not self._stop.is_set() and not self.changed:
+            try:
+                changes = rounds._client.wait_for_changes(low, high, revision, slice_s)
+                if changes.compacted:
+                    kvs, revision = rounds._client.range_prefix(low, end=high)
+                    self._rebuild(kvs, current, following)
+                    continue
+            except EtcdConnectionError as exc:
+                self.view.error = exc
+                self._stop.wait(0.5)
+                continue
+            self.view.error = None
+            for event in changes.events:
+                revision = max(revision, event.kv.mod_revision)
+                self._apply(event.kv.key, None if event.deleted else event.kv, current, following)
+
+    def _apply(self, key: bytes, kv: KeyValue | None, current: bytes, following: bytes) -> None:
+        view = self.view
+        if key.startswith(current):
+            name = key[len(current):].decode(errors="replace")
+            if kv is None:
+                view.alive.discard(name)
+        elif key.startswith(following):
+            name = key[len(following):].decode(errors="replace")
+            if kv is None:
+                view.waiting.pop(name, None)
+            elif name != self._me.key and (member := self._rounds._member(kv)) is not None:
+                view.waiting[name] = member.node
+
+    def _rebuild(self, kvs: Iterable[KeyValue], current: bytes, following: bytes) -> None:
+        present = {kv.key: kv for kv in kvs}
+        view = self.view
+        view.alive = {member.key for member in view.formed.members if current + member.key.encode() in present}
+        view.waiting = {}
+        for key, kv in present.items():
+            self._apply(key, kv, current, following)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    trimmed = prefix.rstrip(b"\xff")
+    return trimmed[:-1] + bytes([trimmed[-1] + 1]) if trimmed else b"\x00"
