@@ -1,8 +1,9 @@
 """torch's elastic internals that the ``etcd-v3`` handler (:mod:`elastic_ddp.rendezvous.etcd`) builds on.
 
-The handler subclasses torch's ``DynamicRendezvousHandler`` and its operation executor, runs
-torch's exit operation to leave a round, reads the rendezvous state, and checks in at torchrun's
-exit barrier for an agent ended by a signal; none of that is torch's public API. Every private
+The handler subclasses torch's ``DynamicRendezvousHandler``, gives it a state holder and an operation
+executor of its own (the rounds protocol behind torch's join, exit, close and keep-alive operations),
+and checks in at torchrun's exit barrier for an agent ended by a signal; none of that is torch's
+public API. Every private
 name it uses comes from here, under torch's own name, and importing this module checks them all
 (with the attributes the subclasses read and the signatures they call or override), raising
 :class:`~elastic_ddp._compat.IncompatibleLibraryError` in one line when one changed. Only the
@@ -28,14 +29,8 @@ from elastic_ddp._compat import Behaviour, Private, check
 from elastic_ddp._torch_compat import SUPPORTED
 
 _HANDLER = "etcd.EtcdRendezvousHandler"
-_EXECUTOR = "etcd._OpExecutor"
-
-
-def _deadlines_are_timezone_aware(module: ModuleType) -> bool:
-    """Whether torch sets a round's deadline from ``datetime.now(timezone.utc)`` (torch 2.6 on),
-    not from the naive ``datetime.utcnow()`` of 2.4 and 2.5."""
-    names = module._DistributedRendezvousOpExecutor._add_to_participants.__code__.co_names
-    return "timezone" in names and "utcnow" not in names
+_EXECUTOR = "etcd._RoundsExecutor"
+_HOLDER = "etcd._RoundsState"
 
 
 def _round_stores_are_prefixed_by_run_and_round(module: ModuleType) -> bool:
@@ -45,76 +40,53 @@ def _round_stores_are_prefixed_by_run_and_round(module: ModuleType) -> bool:
 
 REQUIRED = (
     Private(
-        name="_Action",
-        attributes=("SYNC", "MARK_RENDEZVOUS_COMPLETE"),
-        used_in=f"{_EXECUTOR}.run: a participant told to re-read the state waits for the last call instead, "
-                "or completes the round early",
+        name="_RendezvousOpExecutor",
+        attributes=("run",),
+        used_in=f"{_EXECUTOR} implements it: torch's handler runs its join, exit, close and keep-alive through it",
     ),
     Private(
-        name="_DistributedRendezvousOpExecutor",
-        parameters=("node", "state_holder", "settings"),
-        attributes=("_node", "_state", "_state_holder", "_settings"),
-        used_in=f"{_EXECUTOR} subclasses it; {_HANDLER} builds one",
-    ),
-    Private(
-        name="_DistributedRendezvousOpExecutor.run",
+        name="_RendezvousOpExecutor.run",
         parameters=("self", "state_handler", "deadline", "update_deadline"),
-        used_in=f"{_EXECUTOR}.run overrides it; {_HANDLER}.leave runs the exit operation with it",
+        used_in=f"{_EXECUTOR}.run implements it; {_HANDLER}.leave runs the exit operation with it",
     ),
     Private(
-        name="_DistributedRendezvousOpExecutor._remove_from_participants",
-        parameters=("self",),
-        used_in=f"{_EXECUTOR}._remove_from_participants overrides it (a re-joining node keeps its heartbeat)",
-    ),
-    Private(
-        name="_DistributedRendezvousOpExecutor._record",
-        parameters=("self", "message", "node_state"),
-        used_in=f"{_EXECUTOR}._record overrides it (events named without inspect.stack())",
+        name="_RendezvousStateHolder",
+        attributes=("state", "sync", "mark_dirty"),
+        used_in=f"{_HOLDER} implements it: torch's handler reads the round (rank, world size, round) through it",
     ),
     Private(
         name="_NodeDesc",
+        parameters=("addr", "pid", "local_id"),
         attributes=("addr", "pid", "local_id"),
-        used_in="etcd._record_event: the node an event is about",
+        used_in="rounds.Member: a node's descriptor, written into its key and read back",
     ),
     Private(
         name="_RendezvousContext",
         parameters=("node", "state", "settings"),
-        attributes=("state",),
-        used_in=f"{_EXECUTOR}.run: a fresh context after each re-read of the state",
+        used_in=f"{_EXECUTOR}.run's signature (torch passes operations that take one)",
     ),
-    Private(
-        name="_RendezvousExitOp",
-        parameters=(),
-        used_in=f"{_HANDLER}.leave: the node takes itself out of the round",
-    ),
+    Private(name="_RendezvousExitOp", parameters=(), used_in=f"{_EXECUTOR}.run: the exit (a leave) deletes the node's keys"),
+    Private(name="_RendezvousJoinOp", parameters=(), used_in=f"{_EXECUTOR}.run: the join is the rounds protocol's join"),
+    Private(name="_RendezvousCloseOp", parameters=(), used_in=f"{_EXECUTOR}.run: closing writes the job's closed key"),
+    Private(name="_RendezvousKeepAliveOp", parameters=(), used_in=f"{_EXECUTOR}.run: a heartbeat is a lease keep-alive"),
     Private(
         name="_RendezvousState",
-        attributes=("round", "complete", "closed", "deadline", "participants", "wait_list", "redundancy_list",
-                    "last_heartbeats"),
-        used_in=f"{_HANDLER} (leave, _left_behind), etcd._pause_until_last_call_ends, etcd._may_close_early and "
-                "etcd._job_nodes read it",
-    ),
-    Private(
-        name="_RendezvousJoinOp",
-        parameters=(),
-        used_in=f"{_EXECUTOR}.run: only a join may complete a round early",
+        attributes=("round", "complete", "closed", "participants", "wait_list", "redundancy_list", "last_heartbeats"),
+        used_in=f"{_HOLDER} builds one from the round; {_HANDLER} (leave, _left_behind, _peer_gone) reads it",
     ),
     Private(
         name="RendezvousSettings",
+        parameters=("run_id", "min_nodes", "max_nodes", "timeout", "keep_alive_interval", "keep_alive_max_attempt"),
         attributes=("min_nodes", "max_nodes", "run_id", "timeout", "keep_alive_interval"),
-        used_in="etcd._may_close_early (min_nodes to max_nodes participants); the handler's reachability check "
-                "and outage probes (run_id, timeout.join, keep_alive_interval)",
-    ),
-    Private(
-        name="_RendezvousStateHolder",
-        attributes=("state", "sync"),
-        used_in=f"{_EXECUTOR}.run and {_HANDLER} read the state through it",
+        used_in=f"{_HANDLER}.build constructs it; the reachability check and outage probes read run_id, timeout.join "
+                "and keep_alive_interval",
     ),
     Private(
         name="DynamicRendezvousHandler",
-        attributes=("_this_node", "_settings", "_state_holder", "_op_executor", "_heartbeat_lock"),
-        used_in=f"{_HANDLER} subclasses it, reads these and replaces _op_executor with an {_EXECUTOR}; its poll "
-                "takes _heartbeat_lock as torch's num_nodes_waiting does, with a time limit",
+        parameters=("node", "settings", "backend_name", "store", "state_holder"),
+        attributes=("_this_node", "_settings", "_state_holder", "_op_executor", "_heartbeat_lock", "_node_desc_generator"),
+        used_in=f"{_HANDLER} subclasses it, builds it with a {_HOLDER}, reads these and replaces _op_executor with an "
+                f"{_EXECUTOR}; its poll takes _heartbeat_lock as torch's num_nodes_waiting does, with a time limit",
     ),
     Private(
         name="DynamicRendezvousHandler._stop_heartbeats",
@@ -125,11 +97,6 @@ REQUIRED = (
         name="DynamicRendezvousHandler._record",
         parameters=("self", "message", "node_state", "rank"),
         used_in=f"{_HANDLER}._record overrides it (events named without inspect.stack())",
-    ),
-    Behaviour(
-        description="rendezvous deadlines are timezone-aware (datetime.now(timezone.utc))",
-        holds=_deadlines_are_timezone_aware,
-        used_in="etcd._pause_until_last_call_ends subtracts datetime.now(timezone.utc) from the round's deadline",
     ),
     Private(
         name="DynamicRendezvousHandler._wrap_store",
@@ -143,12 +110,6 @@ REQUIRED = (
     ),
 )
 
-REQUIRED_STATE_HOLDER = Private(
-    name="_BackendRendezvousStateHolder",
-    attributes=("_last_sync_time",),
-    used_in=f"{_EXECUTOR}.run: a node woken by a change of the state reads it at once, not from the cache",
-)
-
 REQUIRED_IN_STORE_UTIL = (
     Private(
         name="_NUM_MEMBERS",
@@ -160,7 +121,7 @@ REQUIRED_IN_STORE_UTIL = (
     ),
 )
 
-check({dynamic_rendezvous: (*REQUIRED, REQUIRED_STATE_HOLDER), store_util: REQUIRED_IN_STORE_UTIL},
+check({dynamic_rendezvous: REQUIRED, store_util: REQUIRED_IN_STORE_UTIL},
       version=torch.__version__, supported=SUPPORTED)
 
 _Action = dynamic_rendezvous._Action

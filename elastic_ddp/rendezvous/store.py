@@ -237,7 +237,7 @@ class EtcdStore(dist.Store):
             self._check_deadline(deadline, [names[key] for key in missing], "wait for")
             slice_s = max(min(deadline - time.monotonic(), _WATCH_SLICE_S), 0.001)
             changes = self._client.wait_for_changes(missing[0], missing[-1] + b"\x00", revision, slice_s)
-            if changes.compacted:
+            if changes.compacted or not changes.events:  # (a quiet slice: read again, as an outage check)
                 values, revision = self._client.get_many(missing)
                 found.update((key, value) for key, value in zip(missing, values) if value is not None)
                 continue

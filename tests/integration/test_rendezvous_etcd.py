@@ -1,4 +1,5 @@
-"""The etcd-v3 backend and agent store against a real etcd: torch's backend contract, TTL, outages."""
+"""The etcd client operations the rounds use, on a real etcd and on the fake (one contract); the agents' store
+against a real etcd: TTL, outages, etcd's transaction size limit."""
 
 from __future__ import annotations
 
@@ -9,22 +10,18 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import (
-    RendezvousConnectionError,
-    RendezvousParameters,
-    RendezvousStateError,
-)
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_ddp.rendezvous import EtcdRendezvousBackend, EtcdStore, create_backend
-from elastic_ddp.rendezvous.client import ClientOptions, GrpcEtcdClient
+from elastic_ddp.rendezvous import EtcdStore, create_store
+from elastic_ddp.rendezvous.client import Absent, ClientOptions, Delete, GrpcEtcdClient, Put, Read
 from tests.fixtures.etcd_proc import EtcdServer, free_ports
+from tests.fixtures.fake_etcd import FakeEtcdClient
 
 pytestmark = pytest.mark.integration
 
 
-def backend_and_store(endpoint: str, run_id: str | None = None, **conf: str) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    params = RendezvousParameters("etcd-v3", endpoint, run_id or uuid.uuid4().hex[:12], 1, 1, **conf)
-    return create_backend(params)
+def store_of(endpoint: str, run_id: str | None = None, **conf: str) -> EtcdStore:
+    return create_store(RendezvousParameters("etcd-v3", endpoint, run_id or uuid.uuid4().hex[:12], 1, 1, **conf))
 
 
 def wait_until(condition, timeout: float, what: str) -> None:
@@ -35,109 +32,81 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_get_state_is_none_on_an_empty_etcd(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint)
-    assert backend.get_state() is None
+@pytest.fixture(params=["real", "fake"])
+def client(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The same operations on a real etcd and on the unit tests' fake: both must pass every test below."""
+    if request.param == "fake":
+        return FakeEtcdClient()
+    server = request.getfixturevalue("etcd_server")
+    return GrpcEtcdClient(ClientOptions(endpoints=(server.endpoint,), request_timeout=5))
 
 
-def test_create_only_then_cas_with_a_new_token_each_time(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint)
-    state, token, written = backend.set_state(b"s0")
-    assert written and backend.get_state() == (b"s0", token)
-    assert backend.set_state(b"other") == (b"s0", token, False)
-    tokens = [token]
-    for i in range(1, 4):
-        _, token, written = backend.set_state(b"s%d" % i, token)
-        assert written
-        tokens.append(token)
-    assert tokens == sorted(set(tokens))
+def test_transact_runs_success_or_failure_and_returns_the_reads(client) -> None:  # type: ignore[no-untyped-def]
+    first = client.transact([(b"/t/closer", Absent())], [Put(b"/t/closer", b"a"), Put(b"/t/j/a", b"1"), Read(b"/t/m")],
+                            [Put(b"/t/j/a", b"1"), Read(b"/t/m")])
+    assert first.succeeded and first.reads == (None,)
+    second = client.transact([(b"/t/closer", Absent())], [Put(b"/t/closer", b"b"), Read(b"/t/closer")],
+                             [Put(b"/t/j/b", b"2"), Delete(b"/t/j/a"), Read(b"/t/closer")])
+    assert not second.succeeded and second.revision > first.revision
+    assert second.reads[0] is not None and second.reads[0].value == b"a"
+    keys, revision = client.range_prefix(b"/t/j/")
+    assert [kv.key for kv in keys] == [b"/t/j/b"] and revision == second.revision
+    between, _ = client.range_prefix(b"/t/c", end=b"/t/k")
+    assert [kv.key for kv in between] == [b"/t/closer", b"/t/j/b"]
 
 
-def test_stale_token_returns_current_state_and_token(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint)
-    _, stale, _ = backend.set_state(b"s1")
-    _, current, _ = backend.set_state(b"s2", stale)
-    assert backend.set_state(b"s3", stale) == (b"s2", current, False)
-    assert backend.set_state(b"s3", "not-a-token") == (b"s2", current, False)
+def test_wait_for_changes_sees_puts_and_deletes_after_a_revision_and_times_out_without(client) -> None:  # type: ignore[no-untyped-def]
+    revision = client.put(b"/w/a", b"1")
+    assert client.wait_for_changes(b"/w/", b"/w0", revision, 0.2).events == ()
+    threading.Timer(0.1, lambda: client.transact([], [Put(b"/w/b", b"2"), Delete(b"/w/a")])).start()
+    changes = client.wait_for_changes(b"/w/", b"/w0", revision, 5)
+    assert [(event.deleted, event.kv.key) for event in changes.events] == [(False, b"/w/b"), (True, b"/w/a")]
+    assert all(event.kv.mod_revision == revision + 1 for event in changes.events)
+    outside = client.wait_for_changes(b"/w/c", b"/w/d", revision, 0.2)
+    assert outside.events == ()
 
 
-def test_backends_of_two_runs_do_not_see_each_other(etcd_server: EtcdServer) -> None:
-    first, _ = backend_and_store(etcd_server.endpoint, "run-a")
-    second, _ = backend_and_store(etcd_server.endpoint, "run-b")
-    first.set_state(b"a")
-    assert second.get_state() is None
-    assert first.key == "/elastic_ddp/rdzv/run-a/state"
+def test_many_keys_are_read_and_written_in_transactions_etcd_accepts(etcd_server: EtcdServer) -> None:
+    """etcd refuses a transaction of more than 128 operations by default: rank 0's agent reads every agent's
+    key in one multi_get, so a job of more nodes than that needs it split."""
+    store = store_of(etcd_server.endpoint, read_timeout="10", join_timeout="30")
+    keys = ["role/%d" % rank for rank in range(300)]
+    store.multi_set(keys, [str(rank) for rank in range(300)])
+    assert store.multi_get(keys) == [str(rank).encode() for rank in range(300)]
 
 
-def test_corrupt_state_raises_rendezvous_state_error(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint, "corrupt", key_prefix="/custom")
-    client = GrpcEtcdClient(ClientOptions(endpoints=(etcd_server.endpoint,), request_timeout=5))
-    client.put(b"/custom/corrupt/state", b"written by someone else")
-    with pytest.raises(RendezvousStateError, match="/custom/corrupt/state"):
-        backend.get_state()
-
-
-def test_eight_concurrent_cas_writers_have_one_winner_per_round(etcd_server: EtcdServer) -> None:
-    run_id = "cas-race"
-    backends = [backend_and_store(etcd_server.endpoint, run_id)[0] for _ in range(8)]
-    start = threading.Barrier(len(backends))
-    for round_index in range(5):
-        current = backends[0].get_state()
-        token = None if current is None else current[1]
-        results: list[tuple[int, bool]] = []
-        errors: list[BaseException] = []
-
-        def write(index: int, backend: EtcdRendezvousBackend) -> None:
-            try:
-                start.wait(timeout=30)
-                results.append((index, backend.set_state(b"round-%d-by-%d" % (round_index, index), token)[2]))
-            except BaseException as exc:  # surfaced by the assertion below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=write, args=(i, b)) for i, b in enumerate(backends)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert not errors
-        winners = [index for index, won in results if won]
-        assert len(results) == 8 and len(winners) == 1, results
-        assert backends[0].get_state()[0] == b"round-%d-by-%d" % (round_index, winners[0])
-
-
-def test_state_expires_after_ttl_without_writes(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint, ttl="3", keep_alive_interval="1", keep_alive_max_attempt="2")
-    backend.set_state(b"stale round")
-    assert backend.get_state() is not None
-    wait_until(lambda: backend.get_state() is None, 15, "the state to expire with its lease")
-    _, _, written = backend.set_state(b"fresh round")
-    assert written
+def test_store_keys_expire_after_ttl_without_writes(etcd_server: EtcdServer) -> None:
+    store = store_of(etcd_server.endpoint, ttl="3", keep_alive_interval="1", keep_alive_max_attempt="2")
+    store.set("k", b"stale")
+    assert store.check(["k"])
+    wait_until(lambda: not store.check(["k"]), 15, "the key to expire with its lease")
 
 
 def test_unreachable_etcd_fails_within_read_timeout_naming_the_endpoint() -> None:
     (port,) = free_ports(1)
     endpoint = "127.0.0.1:%d" % port
-    backend, _ = backend_and_store(endpoint, read_timeout="2", join_timeout="10")
+    store = store_of(endpoint, read_timeout="2", join_timeout="10")
     start = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=endpoint):
-        backend.get_state()
+        store.check(["k"])
     assert time.monotonic() - start < 5
 
 
-def test_backend_survives_an_etcd_restart(etcd_server: EtcdServer) -> None:
-    backend, _ = backend_and_store(etcd_server.endpoint, read_timeout="2", join_timeout="10")
-    _, token, _ = backend.set_state(b"before")
+def test_store_survives_an_etcd_restart(etcd_server: EtcdServer) -> None:
+    store = store_of(etcd_server.endpoint, read_timeout="2", join_timeout="10")
+    store.set("k", b"before")
     etcd_server.stop()
     with pytest.raises(RendezvousConnectionError, match=etcd_server.endpoint):
-        backend.get_state()
+        store.check(["k"])
     etcd_server.start()
-    assert backend.get_state() == (b"before", token)
-    assert backend.set_state(b"after", token)[2]
+    assert store.get("k") == b"before"
+    store.set("k", b"after")
+    assert store.get("k") == b"after"
 
 
 def test_store_operations_on_real_etcd(etcd_server: EtcdServer) -> None:
-    _, store = backend_and_store(etcd_server.endpoint, "store-ops", read_timeout="5", join_timeout="10")
-    _, peer = backend_and_store(etcd_server.endpoint, "store-ops", read_timeout="5", join_timeout="10")
+    store = store_of(etcd_server.endpoint, "store-ops", read_timeout="5", join_timeout="10")
+    peer = store_of(etcd_server.endpoint, "store-ops", read_timeout="5", join_timeout="10")
     round_store = dist.PrefixStore("torch.rendezvous.store-ops.0", store)
     round_store.set("MASTER_ADDR", "127.0.0.1")
     assert round_store.get("MASTER_ADDR") == b"127.0.0.1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import timedelta
 
@@ -9,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from elastic_ddp.rendezvous import EtcdRendezvousBackend, EtcdStore, create_backend
+from elastic_ddp.rendezvous import EtcdStore, create_rdzv_handler, create_store
 from tests.fixtures.etcd_proc import EtcdCluster, EtcdServer
 
 pytestmark = pytest.mark.integration
@@ -22,27 +23,41 @@ def leader_first(cluster: EtcdCluster) -> tuple[EtcdServer, str]:
     return leader, ",".join([leader.endpoint, *others])
 
 
-def backend_and_store(endpoint: str, run_id: str) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 1, read_timeout="15", join_timeout="30")
-    return create_backend(params)
+def params(endpoint: str, run_id: str, nodes: int = 1) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, run_id, nodes, nodes, local_addr="127.0.0.1", read_timeout="15",
+                                join_timeout="30", last_call_timeout="1")
 
 
-def test_killing_the_leader_does_not_fail_the_next_get_and_set(etcd_cluster3: EtcdCluster) -> None:
+def store_of(endpoint: str, run_id: str) -> EtcdStore:
+    return create_store(params(endpoint, run_id))
+
+
+def test_killing_the_leader_does_not_fail_the_next_round(etcd_cluster3: EtcdCluster) -> None:
     leader, endpoint = leader_first(etcd_cluster3)
-    backend, _ = backend_and_store(endpoint, uuid.uuid4().hex[:8])
-    _, token, _ = backend.set_state(b"before")
+    run_id = uuid.uuid4().hex[:8]
+    handlers = [create_rdzv_handler(params(endpoint, run_id, 2)) for _ in range(2)]
 
+    def both() -> list[tuple[int, int]]:
+        results: list[tuple[int, int]] = []
+        threads = [threading.Thread(target=lambda h=h: results.append(
+            (h.next_rendezvous().world_size, h._state_holder.state.round))) for h in handlers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        return results
+
+    assert both() == [(2, 0), (2, 0)]
     leader.kill()
-
-    assert backend.get_state() == (b"before", token)
-    state, new_token, written = backend.set_state(b"after", token)
-    assert written and new_token > token
+    assert both() == [(2, 1), (2, 1)]
     assert etcd_cluster3.leader() is not leader
+    for handler in handlers:
+        handler.shutdown()
 
 
 def test_store_keeps_working_after_the_leader_dies(etcd_cluster3: EtcdCluster) -> None:
     leader, endpoint = leader_first(etcd_cluster3)
-    _, store = backend_and_store(endpoint, uuid.uuid4().hex[:8])
+    store = store_of(endpoint, uuid.uuid4().hex[:8])
     round_store = dist.PrefixStore("torch.rendezvous.r.0", store)
     round_store.set("MASTER_PORT", "29500")
 
@@ -56,6 +71,7 @@ def test_store_keeps_working_after_the_leader_dies(etcd_cluster3: EtcdCluster) -
 def test_a_dead_first_endpoint_is_skipped_from_the_start(etcd_cluster3: EtcdCluster) -> None:
     first = etcd_cluster3.members[0]
     first.kill()
-    backend, _ = backend_and_store(etcd_cluster3.endpoint, uuid.uuid4().hex[:8])
-    assert backend.get_state() is None
-    assert backend.set_state(b"created")[2]
+    store = store_of(etcd_cluster3.endpoint, uuid.uuid4().hex[:8])
+    assert not store.check(["k"])
+    store.set("k", b"created")
+    assert store.get("k") == b"created"

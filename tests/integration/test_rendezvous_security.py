@@ -13,7 +13,7 @@ from pyetcd import etcdrpc
 from pyetcd.etcdrpc import auth_pb2
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
-from elastic_ddp.rendezvous import EtcdAuthError, EtcdRendezvousBackend, EtcdStore, create_backend
+from elastic_ddp.rendezvous import EtcdAuthError, EtcdStore, create_rdzv_handler, create_store
 from tests.fixtures.etcd_proc import EtcdServer, start_with_port_retries
 from tests.fixtures.tls import OpenSslMissing, make_certificates
 
@@ -22,9 +22,13 @@ pytestmark = pytest.mark.integration
 TOKEN_TTL_S = 1
 
 
-def connect(endpoint: str, **conf: str) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+def params(endpoint: str, **conf: str) -> RendezvousParameters:
     conf = {"read_timeout": "5", "join_timeout": "10", **conf}
-    return create_backend(RendezvousParameters("etcd-v3", endpoint, "job", 1, 1, **conf))
+    return RendezvousParameters("etcd-v3", endpoint, "job", 1, 1, local_addr="127.0.0.1", **conf)
+
+
+def connect(endpoint: str, **conf: str) -> EtcdStore:
+    return create_store(params(endpoint, **conf))
 
 
 def enable_auth(endpoint: str) -> None:
@@ -59,41 +63,43 @@ def auth_etcd(etcd_binary: str, tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 def test_user_with_password_can_rendezvous(auth_etcd: EtcdServer) -> None:
-    backend, store = connect(auth_etcd.endpoint, user="train", password="trainpw")
-    assert backend.set_state(b"state")[2]
+    handler = create_rdzv_handler(params(auth_etcd.endpoint, user="train", password="trainpw"))
+    assert handler.next_rendezvous().world_size == 1
+    handler.shutdown()
+    store = connect(auth_etcd.endpoint, user="train", password="trainpw")
     store.set("k", b"v")
     assert store.get("k") == b"v"
 
 
 def test_expired_auth_token_is_renewed_transparently(auth_etcd: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
-    backend, _ = connect(auth_etcd.endpoint, user="train", password="trainpw")
-    _, token, _ = backend.set_state(b"state")
+    store = connect(auth_etcd.endpoint, user="train", password="trainpw")
+    store.set("k", b"state")
     time.sleep(TOKEN_TTL_S + 1.5)  # let the server-side token TTL run out; nothing to poll for
     with caplog.at_level(logging.INFO, logger="elastic_ddp.rendezvous.client"):
-        assert backend.get_state() == (b"state", token)
+        assert store.get("k") == b"state"
     assert "logging in again" in caplog.text
 
 
 def test_wrong_password_fails_fast_with_auth_error_and_hides_the_password(auth_etcd: EtcdServer) -> None:
-    backend, _ = connect(auth_etcd.endpoint, user="train", password="not-the-password")
+    store = connect(auth_etcd.endpoint, user="train", password="not-the-password")
     start = time.monotonic()
     with pytest.raises(EtcdAuthError, match="authentication failed") as info:
-        backend.get_state()
+        store.check(["k"])
     assert time.monotonic() - start < 2
     assert "not-the-password" not in str(info.value)
     assert isinstance(info.value, RendezvousConnectionError)
 
 
 def test_keys_outside_the_granted_prefix_are_refused(auth_etcd: EtcdServer) -> None:
-    backend, _ = connect(auth_etcd.endpoint, user="train", password="trainpw", key_prefix="/elsewhere")
+    store = connect(auth_etcd.endpoint, user="train", password="trainpw", key_prefix="/elsewhere")
     with pytest.raises(EtcdAuthError, match="permission denied"):
-        backend.get_state()
+        store.check(["k"])
 
 
 def test_missing_credentials_are_named(auth_etcd: EtcdServer) -> None:
-    backend, _ = connect(auth_etcd.endpoint)
+    store = connect(auth_etcd.endpoint)
     with pytest.raises(EtcdAuthError, match="user name is empty"):
-        backend.get_state()
+        store.check(["k"])
 
 
 @pytest.fixture
@@ -116,8 +122,10 @@ def tls_etcd(etcd_binary: str, tmp_path: Path) -> Iterator[tuple[EtcdServer, dic
 
 def test_mutual_tls_with_ca_and_client_certificate(tls_etcd: tuple[EtcdServer, dict[str, str]]) -> None:
     server, conf = tls_etcd
-    backend, store = connect(server.endpoint, **conf)
-    assert backend.set_state(b"over tls")[2]
+    handler = create_rdzv_handler(params(server.endpoint, **conf))
+    assert handler.next_rendezvous().world_size == 1
+    handler.shutdown()
+    store = connect(server.endpoint, **conf)
     store.set("k", b"v")
     assert store.get("k") == b"v"
 
@@ -127,13 +135,13 @@ def test_https_endpoint_with_only_a_ca_is_refused_by_client_cert_auth(
     dict[str, str]],
 ) -> None:
     server, conf = tls_etcd
-    backend, _ = connect("https://" + server.endpoint, cacert=conf["cacert"], read_timeout="2")
+    store = connect("https://" + server.endpoint, cacert=conf["cacert"], read_timeout="2")
     with pytest.raises(RendezvousConnectionError, match=server.endpoint):
-        backend.get_state()
+        store.check(["k"])
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_member(tls_etcd: tuple[EtcdServer, dict[str, str]]) -> None:
     server, _ = tls_etcd
-    backend, _ = connect(server.endpoint, read_timeout="2")
+    store = connect(server.endpoint, read_timeout="2")
     with pytest.raises(RendezvousConnectionError, match=server.endpoint):
-        backend.get_state()
+        store.check(["k"])

@@ -13,7 +13,6 @@ import importlib.util
 import inspect
 import operator
 import sys
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -48,14 +47,13 @@ else:
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 SIGNATURES = {
-    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor"): "(node, state_holder, settings)",
-    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor.run"): "(self, state_handler, deadline, update_deadline=None)",
-    (dynamic_rendezvous, "_DistributedRendezvousOpExecutor._record"): (
-        "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>)"
-    ),
+    (dynamic_rendezvous, "_RendezvousOpExecutor.run"): "(self, state_handler, deadline, update_deadline=None)",
     (dynamic_rendezvous, "_RendezvousContext"): "(node, state, settings)",
     (dynamic_rendezvous, "_RendezvousExitOp"): "()",
-    (dynamic_rendezvous, "_RendezvousExitOp.__call__"): "(self, ctx, deadline)",
+    (dynamic_rendezvous, "_RendezvousJoinOp"): "()",
+    (dynamic_rendezvous, "_RendezvousCloseOp"): "()",
+    (dynamic_rendezvous, "_RendezvousKeepAliveOp"): "()",
+    (dynamic_rendezvous, "DynamicRendezvousHandler.__init__"): "(self, node, settings, backend_name, store, state_holder)",
     (dynamic_rendezvous, "DynamicRendezvousHandler._stop_heartbeats"): "(self)",
     (dynamic_rendezvous, "DynamicRendezvousHandler._wrap_store"): "(self, store)",
     (dynamic_rendezvous, "DynamicRendezvousHandler._record"): (
@@ -91,23 +89,10 @@ def test_every_name_a_compat_module_checks_is_there(requirements: tuple[Requirem
 
 
 def test_rendezvous_compat_exports_torchs_own_objects() -> None:
-    for name in ("_Action", "_DistributedRendezvousOpExecutor", "_NodeDesc", "_RendezvousContext",
-                 "_RendezvousExitOp", "_RendezvousState"):  # fmt: skip
+    for name in ("_Action", "_NodeDesc", "_RendezvousCloseOp", "_RendezvousContext", "_RendezvousExitOp",
+                 "_RendezvousJoinOp", "_RendezvousKeepAliveOp", "_RendezvousOpExecutor", "_RendezvousState",
+                 "_RendezvousStateHolder"):  # fmt: skip
         assert getattr(rdzv_torch_compat, name) is getattr(dynamic_rendezvous, name)
-
-
-def test_torch_sets_timezone_aware_round_deadlines() -> None:
-    """What the compat module infers from torch's code, checked by running it: the first participant
-    of an open round sets the last call's deadline, in UTC with a time zone."""
-    settings = dynamic_rendezvous.RendezvousSettings(
-        "job", 1, 2, dynamic_rendezvous.RendezvousTimeout(), keep_alive_interval=timedelta(seconds=5),
-        keep_alive_max_attempt=3,
-    )  # fmt: skip
-    node = dynamic_rendezvous._NodeDesc("127.0.0.1", 1, 0)
-    executor = dynamic_rendezvous._DistributedRendezvousOpExecutor(node, None, settings)
-    executor._state = state = dynamic_rendezvous._RendezvousState()
-    executor._add_to_participants()
-    assert state.deadline is not None and state.deadline.utcoffset() == timedelta(0)
 
 
 def test_exit_barrier_keys_are_torchs() -> None:
@@ -137,7 +122,7 @@ def test_etcd_handler_shadows_no_private_name_of_torchs_handler() -> None:
 
 
 def test_private_names_the_tests_use_are_there() -> None:
-    """tests/unit/test_rendezvous_backend.py collects torch's rendezvous events through these."""
+    """tests/unit/test_rendezvous_rounds.py collects torch's rendezvous events through these."""
     assert isinstance(event_handlers._log_handlers, dict)
     assert isinstance(events._events_loggers, dict)
 
@@ -197,14 +182,14 @@ def test_a_missing_name_is_one_line_naming_the_version_the_name_and_the_range() 
 
 
 def test_every_problem_is_in_the_one_message() -> None:
-    class Executor(dynamic_rendezvous._DistributedRendezvousOpExecutor):
+    class Executor(dynamic_rendezvous._RendezvousOpExecutor):
         def run(self, state_handler: Any, deadline: float) -> None:  # update_deadline gone
             pass
 
-    stub = _stub(dynamic_rendezvous, without="_NodeDesc", _DistributedRendezvousOpExecutor=Executor)
+    stub = _stub(dynamic_rendezvous, without="_NodeDesc", _RendezvousOpExecutor=Executor)
     message = _failure(stub, rdzv_torch_compat.REQUIRED)
     assert "dynamic_rendezvous._NodeDesc is missing" in message
-    assert "_DistributedRendezvousOpExecutor.run takes (self, state_handler, deadline), " \
+    assert "_RendezvousOpExecutor.run takes (self, state_handler, deadline), " \
            "not (self, state_handler, deadline, update_deadline)" in message  # fmt: skip
 
 
@@ -226,19 +211,7 @@ def test_a_missing_attribute_is_named() -> None:
         participants: dict
 
     message = _failure(_stub(dynamic_rendezvous, _RendezvousState=State), rdzv_torch_compat.REQUIRED)
-    assert "_RendezvousState.deadline is missing" in message
-
-
-def test_naive_deadlines_are_refused() -> None:
-    """torch 2.4 and 2.5 set deadlines from the naive datetime.utcnow(); etcd.py subtracts an aware now() from them."""
-    from datetime import datetime
-
-    class Executor(dynamic_rendezvous._DistributedRendezvousOpExecutor):
-        def _add_to_participants(self) -> None:
-            self._state.deadline = datetime.utcnow() + self._settings.timeout.last_call
-
-    stub = _stub(dynamic_rendezvous, _DistributedRendezvousOpExecutor=Executor)
-    assert "rendezvous deadlines are timezone-aware" in _failure(stub, rdzv_torch_compat.REQUIRED)
+    assert "_RendezvousState.closed is missing" in message
 
 
 def test_a_behaviour_whose_probe_finds_nothing_does_not_hold() -> None:

@@ -8,7 +8,7 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_ddp.errors import ConfigError
-from elastic_ddp.rendezvous import create_backend
+from elastic_ddp.rendezvous import create_store
 from elastic_ddp.rendezvous.errors import EtcdConfigError
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 
@@ -168,10 +168,10 @@ def test_config_error_is_a_value_error_and_a_project_error() -> None:
         settings(ttl="0")
 
 
-def test_create_backend_validates_before_connecting() -> None:
+def test_create_store_validates_before_connecting() -> None:
     params = RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, join_timeout="abc")
     with pytest.raises(EtcdConfigError, match="join_timeout='abc'"):
-        create_backend(params)
+        create_store(params)
 
 
 def test_endpoint_schemes_are_case_insensitive() -> None:
