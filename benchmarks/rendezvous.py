@@ -74,11 +74,10 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,21 +99,21 @@ from tests.fixtures.etcd_jobs import (  # noqa: E402
     wait_for_restart,
     worker_pids,
 )
-from tests.fixtures.etcd_proc import EtcdServer, find_etcd_binary, start_with_port_retries  # noqa: E402
+from tests.fixtures.etcd_proc import EtcdCluster, EtcdServer, find_etcd_binary, start_with_port_retries  # noqa: E402
+from tests.fixtures.rdzv_agents import LEAN_C10D, Fleet, delta, etcd_counters  # noqa: E402
 
 NODES = 2
 HUNG_AFTER_S = 90.0
 FOREVER_STEPS = 10**7  # the loops end the job themselves
 SCALE_TIMEOUT_S = 600
 """join_timeout of the simulated agents; a rendezvous that takes longer is reported as not completed."""
-LEAN_C10D = "c10d-lean"
-"""The scale part's third loop: c10d with torch's event naming made as cheap as etcd-v3's."""
 SCALE_KEEP_ALIVE_S = 30
-"""Heartbeat interval of the simulated agents. Every heartbeat is a compare-and-swap of the whole
-state, competing with the joins; with torch's 5 s (dead after 3 missed, 15 s) a few hundred
-agents in one process on two cores miss their heartbeats, drop each other from the round and
-never finish, under either backend (seen at 64 agents on etcd-v3 before its one-call writes,
-and at 256 on c10d)."""
+"""Heartbeat interval of the simulated c10d agents. Each c10d heartbeat is a compare-and-swap of the
+whole state, competing with the joins; with torch's 5 s (dead after 3 missed, 15 s) a few hundred
+agents on two cores miss their heartbeats, drop each other from the round and never finish."""
+ETCD_KEEP_ALIVE_S = 5
+"""etcd-v3's agents heartbeat at torch's default: a heartbeat is a lease keep-alive, not a write."""
+LEADER_KILL_S = 0.5
 
 
 # -- restarts -------------------------------------------------------------------------------
@@ -275,148 +274,204 @@ def _median_ok(outcomes: list[KillOutcome]) -> float | None:
 # -- scale ----------------------------------------------------------------------------------
 
 
-def scale_run(backend: str, endpoint: str, run_id: str, count: int, per_process: int) -> float:
-    """Seconds from the common start until all ``count`` agents (threads in processes of
-    ``per_process``) returned from ``next_rendezvous``."""
-    sizes = [min(per_process, count - start) for start in range(0, count, per_process)]
-    procs = [subprocess.Popen([sys.executable, __file__, "_agents", backend, endpoint, run_id, str(count), str(size)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for size in sizes]
+@dataclass
+class ScaleResult:
+    """One backend at one agent count."""
+
+    form_s: float | None = None
+    """Seconds from the common start until every agent had its rank."""
+    form_writes: float | None = None
+    """etcd raft writes (proposals committed) while the round formed; etcd-v3 only."""
+    form_rpcs: dict[str, float] | None = None
+    form_bytes: float | None = None
+    steady_writes_per_s: float | None = None
+    steady_cpu: float | None = None
+    """etcd's CPU seconds per second while the N nodes trained (heartbeats and polls only)."""
+    join_s: float | None = None
+    """A node joins the running job: its start -> every agent, it included, in the new round."""
+    join_writes: float | None = None
+    leave_s: float | None = None
+    """One node leaves (a preempted agent's exit): the leave -> every survivor in the new round."""
+    leave_writes: float | None = None
+    note: str = ""
+
+
+def scale_backend(backend: str, endpoint: str, count: int, per_process: int, steady_s: float,
+                  etcd_pid: int | None) -> ScaleResult:
+    """Form a job of ``count`` agents (``--nnodes=count``: it closes once all joined); then, as an elastic job
+    (``--nnodes=count-1:count+1``), keep ``count`` nodes running ``steady_s`` seconds (etcd-v3: etcd's writes
+    and CPU meanwhile), add one node, and have one leave."""
+    result = ScaleResult()
+    keep_alive = SCALE_KEEP_ALIVE_S if backend != "etcd-v3" else ETCD_KEEP_ALIVE_S
+    conf = {"join_timeout": str(SCALE_TIMEOUT_S), "last_call_timeout": "2", "keep_alive_interval": str(keep_alive),
+            "read_timeout": "60"}
+    counted = backend == "etcd-v3"
+    fleet = Fleet(backend, endpoint, "%s-%d-%s" % (backend, count, uuid.uuid4().hex[:6]), count, (count, count),
+                  per_process=per_process, conf=conf)
     try:
-        for proc in procs:
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError("an agent process failed to start (exit %s)" % proc.wait())
-        began = time.time()
-        _tell(procs, "go")
-        lines = [proc.stdout.readline() for proc, size in zip(procs, sizes) for _ in range(size)]
-        _tell(procs, "stop")  # only now may anyone close the rendezvous: the others must see it complete
-        for proc in procs:
-            proc.wait(timeout=SCALE_TIMEOUT_S)
+        fleet.start()
+        before = etcd_counters(endpoint) if counted else {}
+        began = fleet.go()
+        fleet.wait_for(lambda f: len(f.in_round(count, began)) == count, SCALE_TIMEOUT_S, "formation")
+        result.form_s = max(done.time for done in fleet.in_round(count, began).values()) - began
+        if counted:
+            used = delta(etcd_counters(endpoint), before)
+            result.form_writes = used["writes"]
+            result.form_bytes = used["rx_bytes"] + used["tx_bytes"]
+            result.form_rpcs = {key[4:]: value for key, value in used.items() if key.startswith("rpc:") and value}
+    except (RuntimeError, TimeoutError) as exc:
+        result.note = str(exc)
+        print("    %s: %d agents did not form: %s" % (backend, count, exc), flush=True)
+        return result
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    finished = [float(line.split()[1]) for line in lines if line.startswith("done ")]
-    errors = [line for line in lines if line.startswith("error ")]
-    if errors or len(finished) != count:
-        raise RuntimeError("%d of %d agents got no rank; first error: %s" % (count - len(finished), count,
-                                                                           errors[0] if errors else "-"))
-    return max(finished) - began
+        fleet.stop()
+    run_id = "%s-%d-%s" % (backend, count, uuid.uuid4().hex[:6])
+    nodes = (count - 1, count + 1)
+    fleet = Fleet(backend, endpoint, run_id, count, nodes, per_process=per_process, conf=conf)
+    joiner = Fleet(backend, endpoint, run_id, 1, nodes, per_process=1, conf=conf, first_agent=count)
+
+    def all_in(size: int, since: float) -> Callable[[Fleet], bool]:
+        return lambda _: len(fleet.in_round(size, since)) + len(joiner.in_round(size, since)) == size
+
+    def last(size: int, since: float) -> float:
+        return max(done.time for done in [*fleet.in_round(size, since).values(), *joiner.in_round(size, since).values()])
+
+    try:
+        fleet.start()
+        joiner.start()
+        began = fleet.go()
+        fleet.wait_for(all_in(count, began), SCALE_TIMEOUT_S, "the elastic job's formation")
+        if steady_s > 0 and counted:
+            before = etcd_counters(endpoint)
+            cpu = _cpu_seconds(etcd_pid)
+            time.sleep(steady_s)  # the measurement window itself: N nodes training, heartbeating and polling
+            result.steady_writes_per_s = delta(etcd_counters(endpoint), before)["writes"] / steady_s
+            result.steady_cpu = (_cpu_seconds(etcd_pid) - cpu) / steady_s if etcd_pid else None
+        before = etcd_counters(endpoint) if counted else {}
+        joined = joiner.go()
+        fleet.wait_for(all_in(count + 1, joined), SCALE_TIMEOUT_S, "the join")
+        result.join_s = last(count + 1, joined) - joined
+        if counted:
+            result.join_writes = delta(etcd_counters(endpoint), before)["writes"]
+            before = etcd_counters(endpoint)
+            left = fleet.leave(0)
+            fleet.wait_for(all_in(count, left), SCALE_TIMEOUT_S, "the re-formation after a leave")
+            result.leave_s = last(count, left) - left
+            result.leave_writes = delta(etcd_counters(endpoint), before)["writes"]
+    except (RuntimeError, TimeoutError) as exc:
+        result.note = str(exc)
+        print("    %s at %d agents did not complete: %s" % (backend, count, exc), flush=True)
+    finally:
+        fleet.stop()
+        joiner.stop()
+    return result
 
 
-def _tell(procs: list[subprocess.Popen], word: str) -> None:
-    for proc in procs:
-        proc.stdin.write(word + "\n")
-        proc.stdin.flush()
+def _cpu_seconds(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
-def agents_process(backend: str, endpoint: str, run_id: str, count: int, local: int) -> None:
-    """(Child process) ``local`` agents of a ``count``-node rendezvous: build their handlers, print
-    ``ready``, wait for ``go`` on stdin, rendezvous in threads and print ``done <wall time>`` (or
-    ``error ...``) for each; shut the handlers down after ``stop``."""
-    os.environ[FRESH_STORE_ENV] = "1"
-    if backend == LEAN_C10D:
-        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-        dynamic_rendezvous.get_method_name = lambda depth=2: sys._getframe(depth).f_code.co_name
-        backend = "c10d"
-    handlers = [make_handler(backend, endpoint, run_id, count) for _ in range(local)]
-    print("ready", flush=True)
-    sys.stdin.readline()
-    output = threading.Lock()
-
-    def agent(handler) -> None:
-        try:
-            handler.next_rendezvous()
-            line = "done %.6f" % time.time()
-        except Exception as exc:  # the parent reports it
-            line = "error %r" % exc
-        with output:
-            print(line, flush=True)
-
-    _in_threads(agent, handlers)
-    sys.stdin.readline()
-    _in_threads(lambda handler: handler.shutdown(), handlers)
+SCALE_LOOPS = ("etcd-v3", LEAN_C10D, "c10d")
 
 
-def _in_threads(function: Callable[[object], None], items: list) -> None:
-    threads = [threading.Thread(target=function, args=(item,), daemon=True) for item in items]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
-def make_handler(backend: str, endpoint: str, run_id: str, count: int):
-    """A handler as torchrun builds it for ``--rdzv-backend=backend`` (c10d: a client of the TCPStore at ``endpoint``)."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    conf = {"join_timeout": str(SCALE_TIMEOUT_S), "last_call_timeout": "1", "keep_alive_interval": str(SCALE_KEEP_ALIVE_S)}
-    if backend == "etcd-v3":
-        from elastic_ddp.rendezvous import create_rdzv_handler
-
-        params = RendezvousParameters(backend, endpoint, run_id, count, count, "127.0.0.1", read_timeout="60", **conf)
-        return create_rdzv_handler(params)
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-    host, port = endpoint.rsplit(":", 1)
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=SCALE_TIMEOUT_S))
-    params = RendezvousParameters(backend, endpoint, run_id, count, count, "127.0.0.1", **conf)
-    return create_handler(store, C10dRendezvousBackend(store, run_id), params)
-
-
-SCALE_LOOPS = ("c10d", "etcd-v3", LEAN_C10D)
-
-
-def scale(agent_counts: list[int], endpoint: str, per_process: int, loops: tuple[str, ...] = SCALE_LOOPS
-          ) -> dict[int, dict[str, float | None]]:
-    """Each count in each loop; ``None`` where the rendezvous did not complete or the loop did not run."""
+def scale(agent_counts: list[int], endpoint: str, etcd_pid: int | None, per_process: int, steady_s: float,
+          loops: tuple[str, ...] = SCALE_LOOPS) -> dict[int, dict[str, ScaleResult]]:
+    """Each count in each loop, one after the other (c10d: a TCPStore in this process per count)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    results: dict[int, dict[str, float | None]] = {}
+    results: dict[int, dict[str, ScaleResult]] = {}
     for count in agent_counts:
         server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=SCALE_TIMEOUT_S))
         store = "127.0.0.1:%d" % server.port
-        results[count] = {
-            loop: _timed_or_none(lambda: scale_run(loop, endpoint if loop == "etcd-v3" else store,
-                                                   "%s-%d" % (loop, count), count, per_process))
-            if loop in loops else None
-            for loop in SCALE_LOOPS
-        }
+        results[count] = {}
+        for loop in loops:
+            results[count][loop] = scale_backend(loop, endpoint if loop == "etcd-v3" else store, count,
+                                                 per_process, steady_s, etcd_pid)
+            print("  %4d agents, %s: %s" % (count, loop, results[count][loop]), flush=True)
         del server
-        print("  %4d agents: %s" % (count, ", ".join("%s %s" % (k, _seconds(v)) for k, v in results[count].items())),
-              flush=True)
     return results
 
 
-def _timed_or_none(run: Callable[[], float]) -> float | None:
+def scale_cluster(count: int, per_process: int, workdir: Path, kill_leader: bool) -> tuple[float | None, str]:
+    """``count`` agents form one round on a fresh 3-member etcd cluster (the leader killed ``LEADER_KILL_S``
+    after the start, with ``kill_leader``). Returns the formation time and what the check found: every agent
+    in one round, with distinct ranks 0..count-1 (none admitted twice, none lost)."""
+    cluster = start_with_port_retries(lambda attempt: EtcdCluster.create(
+        find_etcd_binary(), workdir / ("cluster-%d-%d-%d" % (count, kill_leader, attempt)), size=3))
+    conf = {"join_timeout": str(SCALE_TIMEOUT_S), "last_call_timeout": "30", "read_timeout": "60",
+            "keep_alive_interval": str(ETCD_KEEP_ALIVE_S)}
+    fleet = Fleet("etcd-v3", cluster.endpoint, "cluster-%d" % count, count, (count, count), per_process=per_process,
+                  conf=conf)
     try:
-        return run()
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        print("    did not complete: %s" % exc, flush=True)
-        return None
+        fleet.start()
+        began = fleet.go()
+        if kill_leader:
+            time.sleep(LEADER_KILL_S)  # "mid-formation": the scenario's moment, not a wait for a condition
+            cluster.leader().kill()
+        fleet.wait_for(lambda f: len(f.in_round(count, began)) == count, SCALE_TIMEOUT_S, "formation")
+        ends = fleet.in_round(count, began)
+        ranks = sorted(done.rank for done in ends.values())
+        rounds = {done.round for done in ends.values()}
+        dones = [done for done in fleet.done if done.time >= began]
+        verdict = "ok" if ranks == list(range(count)) and len(rounds) == 1 and len(dones) == count else (
+            "ranks %s..., rounds %s, %d completions" % (ranks[:5], sorted(rounds), len(dones)))
+        return max(done.time for done in ends.values()) - began, verdict
+    except (RuntimeError, TimeoutError) as exc:
+        return None, str(exc)
+    finally:
+        fleet.stop()
+        cluster.stop()
 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else "%.2f s" % value
 
 
-def report_scale(results: dict[int, dict[str, float | None]], per_process: int) -> None:
-    print("\nrendezvous of N agents at once (--nnodes=N, last_call_timeout=1, keep_alive_interval=%d; threads, %d per"
-          " process): seconds until all have a rank" % (SCALE_KEEP_ALIVE_S, per_process))
-    print("  %6s %9s %9s %7s %10s %7s" % ("agents", "etcd-v3", "c10d", "ratio", LEAN_C10D, "ratio"))
-    for count, times in results.items():
-        etcd, c10d, lean = times["etcd-v3"], times["c10d"], times[LEAN_C10D]
-        print("  %6d %9s %9s %7s %10s %7s" % (count, _seconds(etcd), _seconds(c10d), _ratio(etcd, c10d),
-                                                 _seconds(lean), _ratio(etcd, lean)))
+def _number(value: float | None) -> str:
+    return "-" if value is None else "%.0f" % value
+
+
+def report_scale(results: dict[int, dict[str, ScaleResult]], per_process: int, steady_s: float) -> None:
+    print("\nrendezvous of N agents (threads, %d per process, each the real handler; --nnodes=N, keep_alive_interval %d s "
+          "etcd-v3 / %d s c10d): seconds until all have a rank" % (per_process, ETCD_KEEP_ALIVE_S, SCALE_KEEP_ALIVE_S))
+    print("  %6s %10s %10s %7s %10s %7s" % ("agents", "etcd-v3", LEAN_C10D, "ratio", "c10d", "ratio"))
+    for count, by_loop in results.items():
+        etcd, lean, c10d = (by_loop.get(loop, ScaleResult()).form_s for loop in SCALE_LOOPS)
+        print("  %6d %10s %10s %7s %10s %7s" % (count, _seconds(etcd), _seconds(lean), _ratio(etcd, lean),
+                                                 _seconds(c10d), _ratio(etcd, c10d)))
+    print("\netcd-v3 at each N: etcd writes (raft proposals) and client bytes of the formation; then, in a job of "
+          "--nnodes=N-1:N+1, a node joining (its start -> all N+1 in the new round) and one leaving (-> the N others)")
+    print("  %6s %12s %8s %10s %9s %9s %9s %9s %13s %12s" % (
+        "agents", "form writes", "per N", "form MB", "join", "writes", "leave", "writes", "steady wr/s", "etcd cpu"))
+    for count, by_loop in results.items():
+        etcd_result = by_loop.get("etcd-v3")
+        if etcd_result is None:
+            continue
+        r = etcd_result
+        print("  %6d %12s %8s %10s %9s %9s %9s %9s %13s %12s" % (
+            count, _number(r.form_writes), "%.2f" % (r.form_writes / count) if r.form_writes else "-",
+            "%.2f" % (r.form_bytes / 1e6) if r.form_bytes else "-", _seconds(r.join_s), _number(r.join_writes),
+            _seconds(r.leave_s), _number(r.leave_writes),
+            "%.2f" % r.steady_writes_per_s if r.steady_writes_per_s is not None else "-",
+            "%.0f%%" % (100 * r.steady_cpu) if r.steady_cpu is not None else "-"))
+    for count, by_loop in results.items():
+        for loop, r in by_loop.items():
+            if r.form_rpcs:
+                print("  %s at %d: etcd RPCs while forming: %s" % (loop, count, ", ".join(
+                    "%s %d" % (name, value) for name, value in sorted(r.form_rpcs.items()))))
+            if r.join_s is not None and loop != "etcd-v3":
+                print("  %s at %d: a node joining -> all in the new round %s" % (loop, count, _seconds(r.join_s)))
+    if steady_s:
+        print("  (steady: %d s of N nodes training: heartbeats every %d s and the agents' 0.1 s polls)"
+              % (steady_s, ETCD_KEEP_ALIVE_S))
 
 
 def _ratio(value: float | None, baseline: float | None) -> str:
@@ -428,10 +483,6 @@ def _ratio(value: float | None, baseline: float | None) -> str:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop etcd and the jobs
-    if sys.argv[1:2] == ["_agents"]:
-        backend, endpoint, run_id, count, local = sys.argv[2:7]
-        agents_process(backend, endpoint, run_id, int(count), int(local))
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="restarts,scale", help="comma-separated: restarts, scale")
     parser.add_argument("--kills", type=int, default=30, help="kills in the etcd-v3 loop")
@@ -439,10 +490,13 @@ def main() -> None:
                         help="kills in the c10d fresh-store loop and the two prefork loops")
     parser.add_argument("--default-kills", type=int, default=10,
                         help="kills in the torch-default loop (a hung restart costs 90 s or more)")
-    parser.add_argument("--agents", default="16,64,256", help="agent counts for the scale part")
+    parser.add_argument("--agents", default="64,256,1024", help="agent counts for the scale part")
+    parser.add_argument("--steady", type=float, default=60, help="scale part: seconds of steady state measured per count")
+    parser.add_argument("--cluster-agents", type=int, default=256,
+                        help="scale part: agents forming on a 3-member etcd cluster, with and without a leader kill (0: skip)")
     parser.add_argument("--scale-loops", default=",".join(SCALE_LOOPS),
                         help="comma-separated loops of the scale part: %s" % ", ".join(SCALE_LOOPS))
-    parser.add_argument("--agents-per-process", type=int, default=32, help="scale part: agents (threads) per process")
+    parser.add_argument("--agents-per-process", type=int, default=64, help="scale part: agents (threads) per process")
     parser.add_argument("--seed", type=int, default=0, help="seed of the choice of worker to kill")
     parser.add_argument("--workdir", default="", help="keep the jobs' logs and checkpoints here (default: a temp dir)")
     args = parser.parse_args()
@@ -453,18 +507,28 @@ def main() -> None:
         etcd = start_with_port_retries(lambda attempt: EtcdServer.create(find_etcd_binary(), Path(tmp) / ("etcd-%d" % attempt)))
         try:
             restarts = scale_results = None
+            cluster_results: list[tuple[bool, float | None, str]] = []
             if "restarts" in parts:
                 restarts = restart_loops(args.kills, args.recovery_kills, args.default_kills, etcd.endpoint, Path(tmp),
                                          args.seed)
             if "scale" in parts:
-                scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, args.agents_per_process,
-                                      tuple(args.scale_loops.split(",")))
+                scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, etcd.pid,
+                                      args.agents_per_process, args.steady, tuple(args.scale_loops.split(",")))
+                if args.cluster_agents:
+                    for kill in (False, True):
+                        took, verdict = scale_cluster(args.cluster_agents, args.agents_per_process, Path(tmp), kill)
+                        cluster_results.append((kill, took, verdict))
+                        print("  %d agents on a 3-member cluster%s: %s, %s" % (
+                            args.cluster_agents, ", leader killed" if kill else "", _seconds(took), verdict), flush=True)
         finally:
             etcd.stop()
     if restarts:
         report_restarts(restarts)
     if scale_results:
-        report_scale(scale_results, args.agents_per_process)
+        report_scale(scale_results, args.agents_per_process, args.steady)
+        for kill, took, verdict in cluster_results:
+            print("  %d agents on a 3-member etcd cluster%s: %s (%s)" % (
+                args.cluster_agents, ", its leader killed %.1f s in" % LEADER_KILL_S if kill else "", _seconds(took), verdict))
     print("\ntotal %.1f min" % ((time.monotonic() - started) / 60))
 
 

@@ -9,17 +9,14 @@ Use::
 torchrun finds :func:`handler_factory` through the ``torchrun.handlers`` entry point
 ``etcd-v3`` (torch's own ``etcd``/``etcd-v2`` speak the v2 API, which etcd 3.6 no
 longer serves; an out-of-tree handler may not reuse a built-in name). The handler is
-torch's ``DynamicRendezvousHandler`` with :class:`EtcdRendezvousBackend` holding the
-state and :class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents' store, and two
-additions: every worker-group attempt gets a fresh worker store
-(:func:`use_fresh_worker_store`), and a node that the round dropped while it was cut off
-from etcd re-joins instead of training on beside it (:class:`EtcdRendezvousHandler`).
-``--rdzv-conf`` keys are listed in :mod:`elastic_ddp.rendezvous.settings`.
-
-Keys (``<p>`` = ``key_prefix``, default ``/elastic_ddp/rdzv/``)::
-
-    <p><run_id>/state        the rendezvous state, CAS on its mod revision
-    <p><run_id>/store/...    the agents' store (torch adds a per-round prefix)
+torch's ``DynamicRendezvousHandler`` whose join, exit, close and keep-alive operations run as
+the rounds protocol of :mod:`.rounds` (one key per node under its own lease, one closer per
+round: every etcd cost linear in the number of nodes), with
+:class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents' store, and three additions:
+every worker-group attempt gets a fresh worker store (:func:`use_fresh_worker_store`), a node
+that leaves does so at once, and nodes that cannot reach each other are left out of a round
+(:class:`EtcdRendezvousHandler`). ``--rdzv-conf`` keys are listed in
+:mod:`elastic_ddp.rendezvous.settings`; the keys it writes in :mod:`.rounds`.
 
 Why the agents' store lives in etcd, not in a TCPStore
 ------------------------------------------------------
@@ -28,8 +25,7 @@ the ``DynamicRendezvousHandler`` of recent torch (2.13 here) by default makes th
 *agent* host a second TCPStore that the *workers* use (``use_agent_store``). The ``etcd-v3``
 handler opts out (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see
 :func:`use_fresh_worker_store`): each round, rank 0's *worker* hosts the workers' TCPStore on
-a port published through the agents' store. The store returned by
-:func:`create_backend` is therefore only the agents' store: a handful of operations
+a port published through the agents' store. The handler's store is therefore only the agents' store: a handful of operations
 per rendezvous round (publish and read ``MASTER_ADDR``/``MASTER_PORT``, one
 ``set`` + ``multi_get``/``multi_set`` + blocking ``get`` for rank assignment, an
 ``add``/``wait`` exit barrier). Workers never touch it, so its latency is not on
@@ -300,9 +296,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             keep_alive_max_attempt=settings.keep_alive_max_attempt,
         )  # fmt: skip
         records = LeaseKeeper(client, settings.ttl)
-        store = EtcdStore(client, settings.run_prefix + "store/", records, timedelta(seconds=settings.read_timeout),
-                          probe_timeout=settings.connect_timeout)
         liveness = LeaseKeeper(client, liveness_ttl(settings))
+        store = EtcdStore(client, settings.run_prefix + "store/", liveness, timedelta(seconds=settings.read_timeout),
+                          probe_timeout=settings.connect_timeout, records=records)
         rules = RoundRules(min_nodes, max_nodes, torch_settings.timeout.last_call, torch_settings.keep_alive_interval,
                            early_close=settings.early_close)
         rounds = Rounds(client, settings.run_prefix, rules, liveness, records)

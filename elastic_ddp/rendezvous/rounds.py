@@ -371,10 +371,14 @@ class Rounds:
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
                 self.keep_alive()
-                if self.is_closed():
+                (closed, closer, members), _ = self._client.get_many(
+                    [self._closed_key, self._closer_key(round_), self._members_key(round_)])
+                if closed is not None:
                     self.leave()
                     raise RendezvousClosedError()
-                takeover = True  # look at the control keys again: a missed event must not stall the join
+                if members is not None:  # a missed event must not stall the join: look at the keys themselves
+                    return Formed.decode(members.value, self._members_key(round_).decode())
+                takeover = takeover or closer is None
             if takeover:
                 result = self._liveness.write(lambda lease: self._client.transact(
                     [(self._closer_key(round_), Absent())],

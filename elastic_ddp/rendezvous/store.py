@@ -72,7 +72,8 @@ class EtcdStore(dist.Store):
     """
 
     def __init__(
-        self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta, probe_timeout: float = 5.0
+        self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta, probe_timeout: float = 5.0,
+        records: LeaseKeeper | None = None,
     ) -> None:
         super().__init__()
         self._client = client
@@ -85,6 +86,8 @@ class EtcdStore(dist.Store):
         self._instance = uuid.uuid4().hex.encode()
         self._add_calls = itertools.count()
         self._leases = leases
+        self._records = records or leases
+        """The lease of the exit barrier's keys: the barrier's count must outlive an agent that checked in and exited."""
         self.set_timeout(timeout)
 
     @property
@@ -94,7 +97,8 @@ class EtcdStore(dist.Store):
 
     def set(self, key: str, value: bytes | str) -> None:
         """Write ``value`` under ``key``."""
-        self._leases.write(lambda lease: self._client.put(self._key(key), _as_bytes(value), lease))
+        leases = self._records if EXIT_BARRIER_PREFIX in key else self._leases
+        leases.write(lambda lease: self._client.put(self._key(key), _as_bytes(value), lease))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         """Write all pairs in one etcd transaction."""
@@ -218,7 +222,8 @@ class EtcdStore(dist.Store):
     def _put_if(
         self, etcd_key: bytes, value: bytes, condition: Condition, also: Sequence[tuple[bytes, bytes]] = ()
     ) -> TxnOutcome:
-        return self._leases.write(lambda lease: self._client.put_if(etcd_key, value, condition, lease, also))
+        leases = self._records if EXIT_BARRIER_PREFIX.encode() in etcd_key else self._leases
+        return leases.write(lambda lease: self._client.put_if(etcd_key, value, condition, lease, also))
 
     def _add_marker(self) -> bytes:
         """A key no other ``add`` call writes, outside the store's prefix (``num_keys`` ignores it)."""
