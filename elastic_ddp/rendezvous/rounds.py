@@ -405,20 +405,18 @@ class Rounds:
         low = self.join_prefix(round_ - 1) if round_ > 0 else self.round_prefix(round_)
         high = _prefix_end(self.round_prefix(round_))
         previous = self._previous_members(round_)
+        view = _CloserView(self, round_)
         kvs, revision = self._client.range_prefix(low, end=high)
-        keys = {kv.key: kv for kv in kvs if self._valid(round_, kv)}
+        view.reset(kvs)
         last_call: float | None = None
         next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
         while True:
-            joined = sorted((kv for key, kv in keys.items() if key.startswith(self.join_prefix(round_))),
-                            key=lambda kv: kv.create_revision)
-            count = len(joined)
-            draining = self._draining(round_, keys)
-            if count < self._rules.min_nodes or draining:
+            draining = bool(view.previous)
+            if len(view.joins) < self._rules.min_nodes or draining:
                 last_call = None
             elif last_call is None:
                 last_call = time.monotonic() + self._rules.last_call.total_seconds()
-            chosen = None if draining else self._decide(round_, joined, keys, previous, last_call)
+            chosen = None if draining else self._decide(view, previous, last_call)
             if chosen is not None:
                 return self._write_members(round_, chosen, revision)
             now = time.monotonic()
@@ -434,19 +432,11 @@ class Rounds:
             changes = self._client.wait_for_changes(low, high, revision, max(0.001, wake - time.monotonic()))
             if changes.compacted:
                 kvs, revision = self._client.range_prefix(low, end=high)
-                keys = {kv.key: kv for kv in kvs if self._valid(round_, kv)}
+                view.reset(kvs)
                 continue
             for event in changes.events:
                 revision = max(revision, event.kv.mod_revision)
-                if event.deleted:
-                    keys.pop(event.kv.key, None)
-                elif self._valid(round_, event.kv):
-                    keys[event.kv.key] = event.kv
-
-    def _valid(self, round_: int, kv: KeyValue) -> bool:
-        """Whether the closer counts ``kv``: anything but a join of ``round_`` counts as it is; a join only if it
-        holds a node descriptor (a value this protocol did not write is ignored, with a warning)."""
-        return not kv.key.startswith(self.join_prefix(round_)) or self._member(kv) is not None
+                view.apply(event.kv, event.deleted)
 
     def _previous_members(self, round_: int) -> frozenset[str]:
         if round_ == 0:
@@ -456,30 +446,20 @@ class Rounds:
             return frozenset()
         return frozenset(member.key for member in Formed.decode(current.value, self._members_key(round_ - 1).decode()).members)
 
-    def _decide(
-        self, round_: int, joined: list[KeyValue], keys: dict[bytes, KeyValue], previous: frozenset[str],
-        last_call: float | None,
-    ) -> list[KeyValue] | None:
+    def _decide(self, view: _CloserView, previous: frozenset[str], last_call: float | None) -> list[KeyValue] | None:
         """The joins the round closes with now, or ``None`` to wait: torch's rules, and the early close."""
-        rules = self._rules
-        if len(joined) >= rules.max_nodes:
-            return joined[: rules.max_nodes]
-        if len(joined) < rules.min_nodes:
+        rules, count = self._rules, len(view.joins)
+        if count >= rules.max_nodes:
+            return view.in_order()[: rules.max_nodes]
+        if count < rules.min_nodes:
             return None
         if last_call is not None and time.monotonic() >= last_call:
-            return joined
-        if rules.early_close and previous and not any(key.startswith(self.round_prefix(round_) + b"s/") for key in keys):
+            return view.in_order()
+        if rules.early_close and previous and not view.spares and view.names() & previous:
             # a re-formation: every live node of the job joined (none trains in the previous round any more,
             # none waits as a spare), and at least one of them trained in it
-            names = {kv.key[len(self.join_prefix(round_)):].decode(errors="replace") for kv in joined}
-            if names & previous:
-                return joined
+            return view.in_order()
         return None
-
-    def _draining(self, round_: int, keys: dict[bytes, KeyValue]) -> bool:
-        """Whether a node of the previous round still holds its key there: it trains on, and will join this
-        round once its agent sees a node waiting (as in torch, a round opens once the last one emptied)."""
-        return round_ > 0 and any(key.startswith(self.join_prefix(round_ - 1)) for key in keys)
 
     def _write_members(self, round_: int, chosen: list[KeyValue], revision: int) -> Formed:
         members = [member for kv in chosen if (member := self._member(kv)) is not None]
@@ -504,6 +484,44 @@ class Rounds:
         except ValueError as exc:
             logger.warning("etcd-v3: ignoring etcd key %r: not a node descriptor (%s)", kv.key, exc)
             return None
+
+
+class _CloserView:
+    """What a round's closer knows, kept from its watch: the round's joins (valid descriptors only), the keys
+    still held in the previous round, and the round's spares."""
+
+    def __init__(self, rounds: Rounds, round_: int) -> None:
+        self._rounds = rounds
+        self._joins = rounds.join_prefix(round_)
+        self._previous = rounds.join_prefix(round_ - 1) if round_ > 0 else None
+        self._spares = rounds.round_prefix(round_) + b"s/"
+        self.joins: dict[bytes, KeyValue] = {}
+        self.previous: set[bytes] = set()
+        self.spares: set[bytes] = set()
+
+    def reset(self, kvs: Iterable[KeyValue]) -> None:
+        self.joins, self.previous, self.spares = {}, set(), set()
+        for kv in kvs:
+            self.apply(kv, deleted=False)
+
+    def apply(self, kv: KeyValue, deleted: bool) -> None:
+        key = kv.key
+        if key.startswith(self._joins):
+            if deleted:
+                self.joins.pop(key, None)
+            elif self._rounds._member(kv) is not None:  # a value this protocol did not write is ignored
+                self.joins[key] = kv
+        elif self._previous is not None and key.startswith(self._previous):
+            (self.previous.discard if deleted else self.previous.add)(key)
+        elif key.startswith(self._spares):
+            (self.spares.discard if deleted else self.spares.add)(key)
+
+    def in_order(self) -> list[KeyValue]:
+        """The joins in the order they were made (create revision)."""
+        return sorted(self.joins.values(), key=lambda kv: kv.create_revision)
+
+    def names(self) -> set[str]:
+        return {key[len(self._joins):].decode(errors="replace") for key in self.joins}
 
 
 class RoundWatch:
