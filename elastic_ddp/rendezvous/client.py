@@ -250,6 +250,9 @@ class EtcdClient(Protocol):
     def lease_refresh(self, lease_id: int) -> int:
         """Restart the lease's TTL; returns the TTL in seconds, 0 if the lease is gone."""
 
+    def lease_revoke(self, lease_id: int) -> None:
+        """End the lease now, deleting every key attached to it (nothing happens if it is gone)."""
+
     def status(self, timeout: float | None = None) -> MemberStatus:
         """Status of the member that answers (within ``timeout`` seconds, default the operation deadline)."""
 
@@ -417,6 +420,13 @@ class GrpcEtcdClient:
         """See :class:`EtcdClient`."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         return self._call("lease_refresh", lambda ch, t, md: _keep_alive_once(ch, request, t, md))
+
+    def lease_revoke(self, lease_id: int) -> None:
+        """See :class:`EtcdClient`."""
+        try:
+            self._unary("lease_revoke", etcdrpc.LeaseStub, "LeaseRevoke", etcdrpc.LeaseRevokeRequest(ID=lease_id))
+        except EtcdLeaseNotFoundError:
+            pass
 
     def status(self, timeout: float | None = None) -> MemberStatus:
         """See :class:`EtcdClient`."""

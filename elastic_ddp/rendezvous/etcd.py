@@ -449,7 +449,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 "keys expire with their lease)", store.probe_timeout, self._settings.run_id,
             )  # fmt: skip
             return False
-        return super().shutdown()
+        if not super().shutdown():
+            return False
+        if self._rounds is not None:
+            try:
+                self._rounds.leave()  # the job is over: its keys go now, not when the lease expires
+            except EtcdConnectionError as exc:
+                logger.info("etcd-v3: could not revoke this node's lease at shutdown (it expires): %s", exc)
+        return True
 
     def is_closed(self) -> bool:
         """See base class (one read of etcd)."""

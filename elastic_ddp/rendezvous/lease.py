@@ -82,6 +82,13 @@ class LeaseKeeper:
                 self._lease_id = None
             self._refreshed_at = now
 
+    def revoke(self) -> None:
+        """End the lease now (etcd deletes its keys at once); the next write grants a new one."""
+        with self._lock:
+            lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
+            self._client.lease_revoke(lease_id)
+
     def _forget(self, lease_id: int) -> None:
         with self._lock:
             if self._lease_id == lease_id:

@@ -29,13 +29,14 @@ reaches its neighbours, the check costs one write per node and one for the verdi
 
 from __future__ import annotations
 
+import errno
 import logging
+import selectors
 import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import TypeVar
 
@@ -118,12 +119,38 @@ def reaches(address: tuple[str, int], timeout: float) -> bool:
 
 
 def probe(addresses: Mapping[T, tuple[str, int]], timeout: float) -> frozenset[T]:
-    """The keys (ranks, nodes) whose address accepted a connection within ``timeout``; all probed at once."""
-    if not addresses:
-        return frozenset()
-    with ThreadPoolExecutor(max_workers=min(32, len(addresses)), thread_name_prefix="etcd-v3-reach") as pool:
-        outcomes = dict(zip(addresses, pool.map(lambda key: reaches(addresses[key], timeout), addresses)))
-    return frozenset(key for key, ok in outcomes.items() if ok)
+    """The keys (ranks, nodes) whose address accepted a TCP connection within ``timeout``; all probed at once
+    from this thread (non-blocking connects, one wait for all of them)."""
+    pending: dict[socket.socket, T] = {}
+    reached: set[T] = set()
+    with selectors.DefaultSelector() as selector:
+        try:
+            for key, address in addresses.items():
+                try:
+                    infos = socket.getaddrinfo(address[0], address[1], type=socket.SOCK_STREAM)
+                    family, kind, proto, _, target = infos[0]
+                    sock = socket.socket(family, kind, proto)
+                except OSError:
+                    continue
+                sock.setblocking(False)
+                pending[sock] = key
+                if sock.connect_ex(target) not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                    continue  # refused at once: not reached
+                selector.register(sock, selectors.EVENT_WRITE)
+            deadline = time.monotonic() + timeout
+            while selector.get_map():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                for selected, _ in selector.select(remaining):
+                    sock = selected.fileobj  # type: ignore[assignment]
+                    selector.unregister(sock)
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                        reached.add(pending[sock])
+        finally:
+            for sock in pending:
+                sock.close()
+    return frozenset(reached)
 
 
 def successors(item: T, ring: list[T], count: int) -> list[T]:

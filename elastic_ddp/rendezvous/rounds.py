@@ -226,17 +226,22 @@ class Rounds:
             RendezvousTimeoutError: no round formed with this node before ``deadline`` (monotonic).
         """
         while True:
-            latest = self._latest()
-            target = 0 if latest is None else latest.round + 1
-            if previous is not None and target <= previous.round:
-                target = previous.round + 1
-            if latest is not None and latest.rank_of(me.node) is None and target == latest.round + 1:
+            if previous is None:  # a node's first join: where is the job?
+                latest = self._latest()
+                target = 0 if latest is None else latest.round + 1
+            else:  # a re-join: the round after this node's last (a later one formed meanwhile: the loop moves on)
+                latest, target = previous, previous.round + 1
+            if latest is not None and latest.rank_of(me.node) is None:
                 training = self._client.count_prefix(self.join_prefix(latest.round))
                 if training >= self._rules.max_nodes:
                     self._wait_as_spare(me, target)
             result = self._enter(me, target)
-            if result.reads[0] is not None:  # formed before this node's key landed: try the next round
-                previous = Formed.decode(result.reads[0].value, self._members_key(target).decode())
+            members, closed = result.reads
+            if closed is not None:
+                self.leave()
+                raise RendezvousClosedError()
+            if members is not None:  # formed before this node's key landed: try the next round
+                previous = Formed.decode(members.value, self._members_key(target).decode())
                 continue
             if result.succeeded:
                 formed = self._close(target, deadline, result.revision, me)
@@ -249,11 +254,11 @@ class Rounds:
             previous = formed
 
     def leave(self) -> None:
-        """Delete every key this node holds under its liveness lease (its node leaves the job or steps out)."""
+        """Revoke this node's liveness lease: etcd deletes every key under it at once, in one write (its node
+        leaves the job, steps out, or the job is over)."""
         with self._lock:
-            held, self._held = sorted(self._held), set()
-        if held:
-            self._client.transact([], [Delete(key) for key in held])
+            self._held = set()
+        self._liveness.revoke()
 
     def keep_alive(self) -> None:
         """Refresh this node's leases (keep-alives: not raft writes)."""
@@ -306,7 +311,7 @@ class Rounds:
 
     def _enter(self, me: Member, round_: int) -> TxnResult:
         """One transaction: put this node's key in ``round_`` (the closer key too if it is the first), drop its
-        older keys, and read the round's membership (present: formed without this node)."""
+        older keys, and read the round's membership (present: formed without this node) and ``closed``."""
         key = self._join_key(round_, me)
         value = json.dumps(me.encode(), separators=(",", ":")).encode()
         with self._lock:
@@ -314,7 +319,7 @@ class Rounds:
         closer = self._closer_key(round_)
 
         def transact(lease: int) -> TxnResult:
-            common = [Put(key, value, lease), *drop, Read(self._members_key(round_))]
+            common = [Put(key, value, lease), *drop, Read(self._members_key(round_)), Read(self._closed_key)]
             return self._client.transact([(closer, Absent())], [Put(closer, me.key.encode(), lease), *common], common)
 
         result = self._liveness.write(transact)
