@@ -444,9 +444,9 @@ class GrpcEtcdClient:
     def close(self) -> None:
         """See :class:`EtcdClient`."""
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            channel.close()
+            endpoints, self._channels = list(self._channels), {}
+        for endpoint in endpoints:
+            _CHANNELS.release(self._channel_key(endpoint))
 
     # -- call machinery ---------------------------------------------------
 
@@ -547,14 +547,19 @@ class GrpcEtcdClient:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = self._open_channel(endpoint)
+                channel = _CHANNELS.acquire(self._channel_key(endpoint), lambda: self._open_channel(endpoint))
                 self._channels[endpoint] = channel
             return channel
+
+    def _channel_key(self, endpoint: str) -> tuple[object, ...]:
+        options = self._options
+        return (endpoint, options.secure, options.ca_cert, options.cert, options.key)
 
     def _open_channel(self, endpoint: str) -> grpc.Channel:
         if self._credentials is not None:
             return grpc.secure_channel(endpoint, self._credentials, options=_CHANNEL_OPTIONS)
         return grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+
 
     def _preferred_index(self) -> int:
         with self._lock:
@@ -566,6 +571,36 @@ class GrpcEtcdClient:
 
     def _endpoint_list(self) -> str:
         return ",".join(self.endpoints)
+
+
+class _SharedChannels:
+    """One gRPC channel per endpoint (and TLS identity) in a process, shared by its clients and counted: gRPC
+    multiplexes calls over one HTTP/2 connection, while each channel costs a connection and a polling thread.
+    A torchrun agent has one client; a process of many (tests, the scale benchmark's agents) shares one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[tuple[object, ...], tuple[grpc.Channel, int]] = {}
+
+    def acquire(self, key: tuple[object, ...], open_channel: Callable[[], grpc.Channel]) -> grpc.Channel:
+        with self._lock:
+            channel, users = self._channels.get(key) or (open_channel(), 0)
+            self._channels[key] = (channel, users + 1)
+            return channel
+
+    def release(self, key: tuple[object, ...]) -> None:
+        with self._lock:
+            channel, users = self._channels.get(key, (None, 0))
+            if channel is None:
+                return
+            if users > 1:
+                self._channels[key] = (channel, users - 1)
+                return
+            del self._channels[key]
+        channel.close()
+
+
+_CHANNELS = _SharedChannels()
 
 
 _Metadata = tuple[tuple[str, str], ...] | None

@@ -572,10 +572,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         gone = members - state.participants.keys()
         if not gone:
             return False
+        names = sorted(map(str, gone))
         logger.warning(
-            "etcd-v3: %s of round %d of rendezvous %s left the round (stopped heartbeating or left); restarting "
+            "etcd-v3: %s of round %d of rendezvous %s left the round (lease expired or left); restarting "
             "this node's worker group to re-form without it",
-            ", ".join(sorted(map(str, gone))), round_, self._settings.run_id,
+            ", ".join(names[:3]) + (" and %d more" % (len(names) - 3) if len(names) > 3 else ""), round_,
+            self._settings.run_id,
         )  # fmt: skip
         self._members = None  # once per round: the agent restarts the group and re-joins
         return True
