@@ -9,9 +9,10 @@ echoed.
 ==========================  ===========================================================
 ``key_prefix``              etcd key prefix of all rendezvous keys (default
                             ``/elastic_ddp/rdzv/``); the run id is appended.
-``ttl``                     seconds the rendezvous state and store keys outlive their
-                            last write (at least 9/10 of it; default 7200). A job that reuses a run id
-                            within this time sees the old (e.g. closed) rendezvous.
+``ttl``                     seconds the records of the rendezvous (its newest membership, that
+                            the job is closed, the exit barrier) outlive their writer's last
+                            write or keep-alive (at least 9/10 of it; default 7200). A job that
+                            reuses a run id within this time sees the old (e.g. closed) rendezvous.
 ``read_timeout``            seconds one etcd operation (all endpoints together) and one
                             agent-store wait may take before failing (default 60, or half
                             of ``join_timeout`` if that is shorter; at most half of it: an
@@ -29,24 +30,27 @@ echoed.
                             allowed (e.g. ``0.2``; at least 0.01).
 ``early_close``             ``true`` (default) or ``false``: after the job's first round, a
                             round closes as soon as every live node of the job has joined it
-                            (each node with a current heartbeat is a participant and none
-                            waits), without waiting for the last call. A node that was not
+                            (none trains in the previous round any more, none waits as a
+                            spare), without waiting for the last call. A node that was not
                             running yet joins in the next round. The first round always
                             waits the last call, so that nodes starting together start together.
 ``reach_check``             ``true`` (default) or ``false``: once a round completes, every
-                            agent connects to every other agent's probe listener (a TCP
-                            port on its ``--local-addr``); nodes of a pair that cannot
-                            connect are left out (the node with the most cut links first,
-                            the higher rank on a tie), step out and re-join once they reach
-                            every node again. Catches a node cut off from its peers but
-                            not from etcd, which otherwise stalls every round.
+                            agent connects to the probe listeners (a TCP port on each
+                            ``--local-addr``) of the 3 agents after it on the ring of ranks;
+                            nodes of a pair that cannot connect are left out (the node with
+                            the most cut links first, the higher rank on a tie), step out and
+                            re-join once they reach their neighbours again. Catches a node cut
+                            off from its peers but not from etcd, which otherwise stalls every round.
 ``reach_timeout``           seconds one probe connection may take (default 5; fractions
                             allowed): a node that cannot connect within it counts as cut.
                             Covers two lost SYNs (TCP retries after 1 s and 3 s).
 ``keep_alive_interval``,    seconds between heartbeats, and how many missed heartbeats
-``keep_alive_max_attempt``  make a node dead (positive integers, torch's defaults). An
-                            etcd outage longer than their product drops every node from
-                            the round; each then restarts its workers and re-joins.
+``keep_alive_max_attempt``  make a node dead (positive integers, torch's defaults): a node's
+                            keys live under an etcd lease of their product's TTL, which each
+                            heartbeat keeps alive (no write). A node cut off from etcd longer
+                            than that is dropped from the round; it then restarts its workers
+                            and re-joins. An outage of etcd itself drops nobody (etcd renews
+                            every lease when it elects a leader).
 ``timeout``                 added by torchrun to every backend's config; the dynamic
                             handler does not read it (use ``join_timeout``).
 ``connect_timeout``         seconds an agent waits at start-up for the first answer of
