@@ -472,9 +472,11 @@ class GrpcEtcdClient:
         attempt_timeout = max(_MIN_ATTEMPT_TIMEOUT_S, budget / len(self.endpoints))
         failures: list[str] = []
         last_exc: grpc.RpcError | None = None
-        for index in self._rotation(deadline):
+        for attempt, index in enumerate(self._rotation(deadline)):
             endpoint = self.endpoints[index]
             remaining = min(deadline - time.monotonic(), attempt_timeout)
+            if attempt == 0:  # a thread that got the CPU only after its deadline still asks once
+                remaining = max(remaining, min(_MIN_ATTEMPT_TIMEOUT_S, budget))
             try:
                 result = self._attempt(endpoint, rpc, remaining)
             except grpc.RpcError as exc:
@@ -490,15 +492,19 @@ class GrpcEtcdClient:
         ) from last_exc
 
     def _rotation(self, deadline: float) -> Iterator[int]:
-        """Endpoint indexes to try, starting at the preferred one, cycling with backoff until the deadline."""
+        """Endpoint indexes to try, starting at the preferred one (always tried once), cycling with backoff
+        until the deadline."""
         count = len(self.endpoints)
         start = self._preferred_index()
+        yield start  # at least one attempt, whatever the clock says
         cycle = 0
+        first = True
         while time.monotonic() < deadline:
-            for offset in range(count):
+            for offset in range(1 if first else 0, count):
                 if time.monotonic() >= deadline:
                     return
                 yield (start + offset) % count
+            first = False
             pause = _RETRY_BACKOFF_S[min(cycle, len(_RETRY_BACKOFF_S) - 1)]
             time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             cycle += 1
