@@ -233,6 +233,8 @@ class Rounds:
                 latest, target = previous, previous.round + 1
             if latest is not None and latest.rank_of(me.node) is None:
                 training = self._client.count_prefix(self.join_prefix(latest.round))
+                with self._lock:  # this node's own key, left there by an entry that found the round formed
+                    training -= self._join_key(latest.round, me) in self._held
                 if training >= self._rules.max_nodes:
                     self._wait_as_spare(me, target)
             result = self._enter(me, target)
@@ -240,7 +242,8 @@ class Rounds:
             if closed is not None:
                 self.leave()
                 raise RendezvousClosedError()
-            if members is not None:  # formed before this node's key landed: try the next round
+            if members is not None:  # formed before this node's key landed (the key stays until the next entry
+                # drops it, and is no member's): try the next round
                 previous = Formed.decode(members.value, self._members_key(target).decode())
                 continue
             if result.succeeded:

@@ -206,6 +206,33 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_without_stopping_the_others(cl
         handler.shutdown()
 
 
+def test_a_node_that_left_a_full_round_re_joins_as_a_waiting_node_not_a_spare(client: FakeEtcdClient) -> None:
+    """Three nodes of a 1:3 job; one leaves (a node left out by the reachability check) and the other two
+    re-form without it. Its re-join first lands its key in the round formed without it; that key must not
+    count as a node training there, or the job looks full (3 of max 3) and the node waits as a spare that
+    nobody waits for."""
+    a, b, c = (node(client, (1, 3), keep_alive_s=1) for _ in range(3))
+    assert together([a, b, c]) == [3, 3, 3]
+    c.leave()
+    deadline = time.monotonic() + 10
+    while a.num_nodes_waiting() == 0 or b.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the others never saw c leave"
+        time.sleep(0.05)
+    assert together([a, b]) == [2, 2]
+    sizes: list[int] = []
+    thread = threading.Thread(target=lambda: sizes.append(c.next_rendezvous().world_size), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while a.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "c's re-join never showed as a waiting node"
+        time.sleep(0.05)
+    assert together([a, b]) == [3, 3]
+    thread.join(timeout=10)
+    assert sizes == [3]
+    for handler in (a, b, c):
+        handler.shutdown()
+
+
 def test_a_peer_whose_lease_expired_counts_as_a_waiting_node(client: FakeEtcdClient) -> None:
     silent, survivor = node(client, (1, 2), keep_alive_s=1, attempts=2), node(client, (1, 2), keep_alive_s=1, attempts=2)
     together([silent, survivor])
