@@ -79,7 +79,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,20 +289,20 @@ class ScaleResult:
     steady_writes_per_s: float | None = None
     steady_cpu: float | None = None
     """etcd's CPU seconds per second while the N nodes trained (heartbeats and polls only)."""
-    join_s: float | None = None
-    """A node joins the running job: its start -> every agent, it included, in the new round."""
-    join_writes: float | None = None
-    leave_s: float | None = None
-    """One node leaves (a preempted agent's exit): the leave -> every survivor in the new round."""
-    leave_writes: float | None = None
+    join_s: list[float] = field(default_factory=list)
+    """Each time a node joins the running job: its start -> every agent, it included, in the new round."""
+    join_writes: list[float] = field(default_factory=list)
+    leave_s: list[float] = field(default_factory=list)
+    """Each time one node leaves (a preempted agent's exit): the leave -> every survivor in the new round."""
+    leave_writes: list[float] = field(default_factory=list)
     note: str = ""
 
 
 def scale_backend(backend: str, endpoint: str, count: int, per_process: int, steady_s: float,
-                  etcd_pid: int | None) -> ScaleResult:
+                  etcd_pid: int | None, changes: int = 1) -> ScaleResult:
     """Form a job of ``count`` agents (``--nnodes=count``: it closes once all joined); then, as an elastic job
     (``--nnodes=count-1:count+1``), keep ``count`` nodes running ``steady_s`` seconds (etcd-v3: etcd's writes
-    and CPU meanwhile), add one node, and have one leave."""
+    and CPU meanwhile), and ``changes`` times: add one node, then have one leave (etcd-v3)."""
     result = ScaleResult()
     keep_alive = SCALE_KEEP_ALIVE_S if backend != "etcd-v3" else ETCD_KEEP_ALIVE_S
     conf = {"join_timeout": str(SCALE_TIMEOUT_S), "last_call_timeout": "2", "keep_alive_interval": str(keep_alive),
@@ -330,17 +330,19 @@ def scale_backend(backend: str, endpoint: str, count: int, per_process: int, ste
     run_id = "%s-%d-%s" % (backend, count, uuid.uuid4().hex[:6])
     nodes = (count - 1, count + 1)
     fleet = Fleet(backend, endpoint, run_id, count, nodes, per_process=per_process, conf=conf)
-    joiner = Fleet(backend, endpoint, run_id, 1, nodes, per_process=1, conf=conf, first_agent=count)
+    joiners = [Fleet(backend, endpoint, run_id, 1, nodes, per_process=1, conf=conf, first_agent=count + index)
+               for index in range(changes)]
+    fleets = [fleet, *joiners]
 
     def all_in(size: int, since: float) -> Callable[[Fleet], bool]:
-        return lambda _: len(fleet.in_round(size, since)) + len(joiner.in_round(size, since)) == size
+        return lambda _: sum(len(each.in_round(size, since)) for each in fleets) == size
 
     def last(size: int, since: float) -> float:
-        return max(done.time for done in [*fleet.in_round(size, since).values(), *joiner.in_round(size, since).values()])
+        return max(done.time for each in fleets for done in each.in_round(size, since).values())
 
     try:
-        fleet.start()
-        joiner.start()
+        for each in fleets:
+            each.start()
         began = fleet.go()
         fleet.wait_for(all_in(count, began), SCALE_TIMEOUT_S, "the elastic job's formation")
         if steady_s > 0 and counted:
@@ -349,23 +351,25 @@ def scale_backend(backend: str, endpoint: str, count: int, per_process: int, ste
             time.sleep(steady_s)  # the measurement window itself: N nodes training, heartbeating and polling
             result.steady_writes_per_s = delta(etcd_counters(endpoint), before)["writes"] / steady_s
             result.steady_cpu = (_cpu_seconds(etcd_pid) - cpu) / steady_s if etcd_pid else None
-        before = etcd_counters(endpoint) if counted else {}
-        joined = joiner.go()
-        fleet.wait_for(all_in(count + 1, joined), SCALE_TIMEOUT_S, "the join")
-        result.join_s = last(count + 1, joined) - joined
-        if counted:
-            result.join_writes = delta(etcd_counters(endpoint), before)["writes"]
+        for index, joiner in enumerate(joiners):
+            before = etcd_counters(endpoint) if counted else {}
+            joined = joiner.go()
+            fleet.wait_for(all_in(count + 1, joined), SCALE_TIMEOUT_S, "join %d" % (index + 1))
+            result.join_s.append(last(count + 1, joined) - joined)
+            if not counted:
+                break  # c10d: one join (its leave waits out torch's heartbeat rule, as a kill does)
+            result.join_writes.append(delta(etcd_counters(endpoint), before)["writes"])
             before = etcd_counters(endpoint)
-            left = fleet.leave(0)
-            fleet.wait_for(all_in(count, left), SCALE_TIMEOUT_S, "the re-formation after a leave")
-            result.leave_s = last(count, left) - left
-            result.leave_writes = delta(etcd_counters(endpoint), before)["writes"]
+            left = fleet.leave(index)
+            fleet.wait_for(all_in(count, left), SCALE_TIMEOUT_S, "the re-formation after leave %d" % (index + 1))
+            result.leave_s.append(last(count, left) - left)
+            result.leave_writes.append(delta(etcd_counters(endpoint), before)["writes"])
     except (RuntimeError, TimeoutError) as exc:
         result.note = str(exc)
         print("    %s at %d agents did not complete: %s" % (backend, count, exc), flush=True)
     finally:
-        fleet.stop()
-        joiner.stop()
+        for each in fleets:
+            each.stop()
     return result
 
 
@@ -382,7 +386,7 @@ SCALE_LOOPS = ("etcd-v3", LEAN_C10D, "c10d")
 
 
 def scale(agent_counts: list[int], endpoint: str, etcd_pid: int | None, per_process: int, steady_s: float,
-          loops: tuple[str, ...] = SCALE_LOOPS, c10d_max: int = 1 << 30) -> dict[int, dict[str, ScaleResult]]:
+          loops: tuple[str, ...] = SCALE_LOOPS, c10d_max: int = 1 << 30, changes: int = 1) -> dict[int, dict[str, ScaleResult]]:
     """Each count in each loop, one after the other (c10d: a TCPStore in this process per count)."""
     from datetime import timedelta
 
@@ -398,7 +402,7 @@ def scale(agent_counts: list[int], endpoint: str, etcd_pid: int | None, per_proc
             if loop != "etcd-v3" and count > c10d_max:
                 continue
             results[count][loop] = scale_backend(loop, endpoint if loop == "etcd-v3" else store, count,
-                                                 per_process, steady_s, etcd_pid)
+                                                 per_process, steady_s, etcd_pid, changes)
             print("  %4d agents, %s: %s" % (count, loop, results[count][loop]), flush=True)
         del server
     return results
@@ -452,18 +456,19 @@ def report_scale(results: dict[int, dict[str, ScaleResult]], per_process: int, s
         print("  %6d %10s %10s %7s %10s %7s" % (count, _seconds(etcd), _seconds(lean), _ratio(etcd, lean),
                                                  _seconds(c10d), _ratio(etcd, c10d)))
     print("\netcd-v3 at each N: etcd writes (raft proposals) and client bytes of the formation; then, in a job of "
-          "--nnodes=N-1:N+1, a node joining (its start -> all N+1 in the new round) and one leaving (-> the N others)")
-    print("  %6s %12s %8s %10s %9s %9s %9s %9s %13s %12s" % (
+          "--nnodes=N-1:N+1, a node joining (its start -> all N+1 in the new round) and one leaving (-> the N others), "
+          "each time: median (min-max) of the times, median of the writes")
+    print("  %6s %12s %8s %10s %20s %7s %20s %7s %13s %12s" % (
         "agents", "form writes", "per N", "form MB", "join", "writes", "leave", "writes", "steady wr/s", "etcd cpu"))
     for count, by_loop in results.items():
         etcd_result = by_loop.get("etcd-v3")
         if etcd_result is None:
             continue
         r = etcd_result
-        print("  %6d %12s %8s %10s %9s %9s %9s %9s %13s %12s" % (
+        print("  %6d %12s %8s %10s %20s %7s %20s %7s %13s %12s" % (
             count, _number(r.form_writes), "%.2f" % (r.form_writes / count) if r.form_writes else "-",
-            "%.2f" % (r.form_bytes / 1e6) if r.form_bytes else "-", _seconds(r.join_s), _number(r.join_writes),
-            _seconds(r.leave_s), _number(r.leave_writes),
+            "%.2f" % (r.form_bytes / 1e6) if r.form_bytes else "-", _spread(r.join_s), _number(_median(r.join_writes)),
+            _spread(r.leave_s), _number(_median(r.leave_writes)),
             "%.2f" % r.steady_writes_per_s if r.steady_writes_per_s is not None else "-",
             "%.0f%%" % (100 * r.steady_cpu) if r.steady_cpu is not None else "-"))
     for count, by_loop in results.items():
@@ -471,11 +476,22 @@ def report_scale(results: dict[int, dict[str, ScaleResult]], per_process: int, s
             if r.form_rpcs:
                 print("  %s at %d: etcd RPCs while forming: %s" % (loop, count, ", ".join(
                     "%s %d" % (name, value) for name, value in sorted(r.form_rpcs.items()))))
-            if r.join_s is not None and loop != "etcd-v3":
-                print("  %s at %d: a node joining -> all in the new round %s" % (loop, count, _seconds(r.join_s)))
+            if r.join_s and loop != "etcd-v3":
+                print("  %s at %d: a node joining -> all in the new round %s" % (loop, count, _spread(r.join_s)))
     if steady_s:
         print("  (steady: %d s of N nodes training: heartbeats every %d s and the agents' 0.1 s polls)"
               % (steady_s, ETCD_KEEP_ALIVE_S))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _spread(values: list[float]) -> str:
+    """``median (min-max)`` seconds, or the one value, or ``-``."""
+    if len(values) < 2:
+        return _seconds(values[0] if values else None)
+    return "%s (%.2f-%.2f)" % (_seconds(statistics.median(values)), min(values), max(values))
 
 
 def _ratio(value: float | None, baseline: float | None) -> str:
@@ -498,6 +514,8 @@ def main() -> None:
     parser.add_argument("--c10d-max-agents", type=int, default=1 << 30,
                         help="scale part: run the c10d loops only up to this many agents")
     parser.add_argument("--steady", type=float, default=60, help="scale part: seconds of steady state measured per count")
+    parser.add_argument("--changes", type=int, default=3,
+                        help="scale part: how many times a node joins, then one leaves, the running job of N")
     parser.add_argument("--cluster-agents", type=int, default=256,
                         help="scale part: agents forming on a 3-member etcd cluster, with and without a leader kill (0: skip)")
     parser.add_argument("--scale-loops", default=",".join(SCALE_LOOPS),
@@ -520,7 +538,7 @@ def main() -> None:
             if "scale" in parts:
                 scale_results = scale([int(n) for n in args.agents.split(",")], etcd.endpoint, etcd.pid,
                                       args.agents_per_process, args.steady, tuple(args.scale_loops.split(",")),
-                                      args.c10d_max_agents)
+                                      args.c10d_max_agents, args.changes)
                 if args.cluster_agents:
                     for kill in (False, True):
                         took, verdict = scale_cluster(args.cluster_agents, args.agents_per_process, Path(tmp), kill)

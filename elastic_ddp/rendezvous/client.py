@@ -22,8 +22,10 @@ together; each attempt gets an equal share of it, at least one second.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -179,12 +181,35 @@ class Event:
 
 @dataclass(frozen=True)
 class Changes:
-    """What one wait on a key range saw (:meth:`EtcdClient.wait_for_changes`)."""
+    """What one wait on a key range saw (:meth:`Watch.next`, :meth:`EtcdClient.wait_for_changes`)."""
 
     events: tuple[Event, ...]
     """The changes, in revision order; empty when the wait timed out."""
     compacted: bool = False
-    """etcd no longer has the history from the revision asked for: read the range again."""
+    """etcd no longer has the history from the revision asked for: the watch goes on from now; read the
+    range again."""
+
+
+class Watch(Protocol):
+    """A watch on a key range (:meth:`EtcdClient.watch`): every change after :attr:`revision`, in order,
+    batch by batch, until it is closed. A connection lost meanwhile is resumed from the last change seen,
+    on whichever endpoint answers."""
+
+    @property
+    def revision(self) -> int:
+        """Changes after this revision are delivered; at the start, the revision asked for or, for a
+        watch from now, the store's revision when it began."""
+
+    def next(self, timeout: float) -> Changes:
+        """The next batch of changes, waiting up to ``timeout`` seconds (none came: no events). Raises
+        :class:`EtcdConnectionError` while no endpoint answers; the watch can be asked again."""
+
+    def close(self) -> None:
+        """End the watch (idempotent)."""
+
+    def __enter__(self) -> Watch: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
 
 
 class EtcdClient(Protocol):
@@ -225,12 +250,6 @@ class EtcdClient(Protocol):
     def delete(self, key: bytes) -> bool:
         """Delete the key; ``True`` if it existed."""
 
-    def wait_for_put(self, key: bytes, after_revision: int, timeout: float) -> bool:
-        """Block until the key is written after ``after_revision``; ``False`` on timeout.
-
-        ``True`` may also mean "history was compacted, look again".
-        """
-
     def transact(self, conditions: Sequence[tuple[bytes, Condition]], success: Sequence[Op],
                  failure: Sequence[Op] = ()) -> TxnResult:
         """One transaction: ``success`` if every condition holds on its key, else ``failure``."""
@@ -241,8 +260,14 @@ class EtcdClient(Protocol):
         """Every key starting with ``prefix`` (or in ``[prefix, end)``), in key order, and the revision read at."""
 
     def wait_for_changes(self, key: bytes, range_end: bytes, after_revision: int, timeout: float) -> Changes:
-        """Block until keys in ``[key, range_end)`` change after ``after_revision`` (the changes of the
-        first batch that arrives), or ``timeout`` seconds pass (no events)."""
+        """The first batch of changes to ``[key, range_end)`` after ``after_revision``, or none once ``timeout``
+        seconds pass. The watch ends as its first batch arrives, before its caller runs: on a range that
+        many nodes write to at once, it receives none of the others' changes."""
+
+    def watch(self, key: bytes, range_end: bytes, after_revision: int | None = None) -> Watch:
+        """Watch ``[key, range_end)`` for changes after ``after_revision``, or from now (``None``): etcd serves
+        a watch from now at once, while one from a past revision waits for its catch-up (every 100 ms), so a
+        wait for a state starts a watch from now and then reads the state. Returns once etcd started it."""
 
     def lease_grant(self, ttl: int) -> int:
         """A new lease of ``ttl`` seconds; returns its id."""
@@ -307,6 +332,7 @@ class GrpcEtcdClient:
         self._lock = threading.Lock()
         self._preferred = 0
         self._token: str | None = None
+        self._streams: dict[grpc.Channel, _WatchStream] = {}
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -371,13 +397,6 @@ class GrpcEtcdClient:
         response = self._unary("delete", etcdrpc.KVStub, "DeleteRange", etcdrpc.DeleteRangeRequest(key=key))
         return response.deleted > 0
 
-    def wait_for_put(self, key: bytes, after_revision: int, timeout: float) -> bool:
-        """See :class:`EtcdClient`."""
-        create = etcdrpc.WatchCreateRequest(
-            key=key, start_revision=after_revision + 1, filters=[etcdrpc.WatchCreateRequest.NODELETE]
-        )
-        return self._call("watch", lambda ch, t, md: _watch_for_put(ch, create, t, md), timeout=timeout)
-
     def transact(self, conditions: Sequence[tuple[bytes, Condition]], success: Sequence[Op],
                  failure: Sequence[Op] = ()) -> TxnResult:
         """See :class:`EtcdClient`."""
@@ -401,9 +420,16 @@ class GrpcEtcdClient:
         return [_to_key_value(kv) for kv in response.kvs], int(response.header.revision)
 
     def wait_for_changes(self, key: bytes, range_end: bytes, after_revision: int, timeout: float) -> Changes:
-        """See :class:`EtcdClient`."""
-        create = etcdrpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=after_revision + 1)
-        return self._call("watch", lambda ch, t, md: _watch_for_changes(ch, create, t, md), timeout=timeout)
+        """See :class:`EtcdClient`. A watch on this client's stream that the stream cancels itself as it
+        delivers the first batch."""
+        deadline = time.monotonic() + timeout
+        with _GrpcWatch(self, key, range_end, after_revision, once=True) as watch:
+            return watch.next(max(deadline - time.monotonic(), 0.0))
+
+    def watch(self, key: bytes, range_end: bytes, after_revision: int | None = None) -> Watch:
+        """See :class:`EtcdClient`. Every watch of this client to one endpoint shares one stream
+        (:class:`_WatchStream`)."""
+        return _GrpcWatch(self, key, range_end, after_revision)
 
     # -- leases, status ---------------------------------------------------
 
@@ -445,6 +471,9 @@ class GrpcEtcdClient:
         """See :class:`EtcdClient`."""
         with self._lock:
             endpoints, self._channels = list(self._channels), {}
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
         for endpoint in endpoints:
             _CHANNELS.release(self._channel_key(endpoint))
 
@@ -557,6 +586,18 @@ class GrpcEtcdClient:
                 self._channels[endpoint] = channel
             return channel
 
+    def _watch_stream(self, channel: grpc.Channel, metadata: _Metadata) -> _WatchStream:
+        """This client's watch stream on ``channel`` (a new one when there is none, it failed, or the
+        auth token changed)."""
+        with self._lock:
+            stream = self._streams.get(channel)
+            if stream is not None and stream.usable(metadata):
+                return stream
+            fresh = self._streams[channel] = _WatchStream(channel, metadata)
+        if stream is not None:
+            stream.close()
+        return fresh
+
     def _channel_key(self, endpoint: str) -> tuple[object, ...]:
         options = self._options
         return (endpoint, options.secure, options.ca_cert, options.cert, options.key)
@@ -630,57 +671,234 @@ def _keep_alive_once(
     return 0
 
 
-def _watch_for_put(
-    channel: grpc.Channel, create: etcdrpc.WatchCreateRequest, timeout: float, metadata: _Metadata
-) -> bool:
-    """Open a watch from ``create.start_revision``; ``True`` at the first PUT, ``False`` at the timeout."""
-    done = threading.Event()
+class _WatchFailed(grpc.RpcError):
+    """A watch that etcd did not start or a stream that ended, as the fail-over machinery sees errors."""
 
-    def requests() -> Iterator[etcdrpc.WatchRequest]:
-        yield etcdrpc.WatchRequest(create_request=create)
-        done.wait()  # keep the request stream open until the watch ends
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
 
-    call = etcdrpc.WatchStub(channel).Watch(requests(), timeout=timeout, metadata=metadata)
-    try:
-        for response in call:
-            if response.canceled or any(event.type == kv_pb2.Event.PUT for event in response.events):
-                return True
-        return False
-    except grpc.RpcError as exc:
-        if _is_deadline(exc):
-            return False
-        raise
-    finally:
-        done.set()
-        call.cancel()
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
-def _watch_for_changes(
-    channel: grpc.Channel, create: etcdrpc.WatchCreateRequest, timeout: float, metadata: _Metadata
-) -> Changes:
-    """Open a watch from ``create.start_revision``; the first batch of events, none at the timeout."""
-    done = threading.Event()
+_Item = tuple[str, Any]
+"""What a stream hands one watch: ("created", revision), ("events", events), ("canceled", (compact revision,
+reason)) or ("failed", error)."""
 
-    def requests() -> Iterator[etcdrpc.WatchRequest]:
-        yield etcdrpc.WatchRequest(create_request=create)
-        done.wait()  # keep the request stream open until the watch ends
 
-    call = etcdrpc.WatchStub(channel).Watch(requests(), timeout=timeout, metadata=metadata)
-    try:
-        for response in call:
-            if response.canceled:
-                return Changes((), compacted=response.compact_revision > 0)
-            if response.events:
-                return Changes(tuple(Event(event.type == kv_pb2.Event.DELETE, _to_key_value(event.kv))
-                                     for event in response.events))
+class _WatchStream:
+    """One bidirectional etcd Watch stream to one endpoint, carrying every watch of one client there. etcd
+    answers the creations on a stream in the order they were sent, each with the id it gave the watch; a
+    watch then costs two messages (create, cancel) instead of a stream of its own and the thread gRPC starts
+    to feed it."""
+
+    def __init__(self, channel: grpc.Channel, metadata: _Metadata) -> None:
+        self._metadata = metadata
+        self._requests: queue.SimpleQueue[etcdrpc.WatchRequest | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: deque[_WatchSlot] = deque()
+        """Slots whose creation was sent, in order, until etcd answers it."""
+        self._slots: dict[int, _WatchSlot] = {}
+        self._failure: grpc.RpcError | None = None
+        self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
+        threading.Thread(target=self._read, name="etcd-v3-watch-stream", daemon=True).start()
+
+    def usable(self, metadata: _Metadata) -> bool:
+        with self._lock:
+            return self._failure is None and metadata == self._metadata
+
+    def open(self, slot: _WatchSlot, create: etcdrpc.WatchCreateRequest) -> None:
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._pending.append(slot)
+            self._requests.put(etcdrpc.WatchRequest(create_request=create))
+
+    def cancel(self, slot: _WatchSlot) -> None:
+        with self._lock:
+            slot.cancelled = True
+            if slot.watch_id is not None and self._slots.pop(slot.watch_id, None) is not None:
+                self._send_cancel(slot.watch_id)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
+
+    def _send_cancel(self, watch_id: int) -> None:
+        if self._failure is None:
+            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+
+    def _read(self) -> None:
+        failure: grpc.RpcError
+        try:
+            for response in self._call:
+                self._dispatch(response)
+            failure = _WatchFailed(grpc.StatusCode.UNAVAILABLE, "the watch stream ended")
+        except grpc.RpcError as exc:
+            failure = exc
+        with self._lock:
+            self._failure = failure
+            slots = [*self._pending, *self._slots.values()]
+            self._pending.clear()
+            self._slots.clear()
+        for slot in slots:
+            slot.put(("failed", failure))
+
+    def _dispatch(self, response: Any) -> None:
+        with self._lock:
+            if response.created:
+                if not self._pending:
+                    return
+                slot = self._pending.popleft()
+                slot.watch_id = int(response.watch_id)
+                if slot.cancelled:
+                    if not response.canceled:
+                        self._send_cancel(slot.watch_id)
+                    return
+                if not response.canceled:
+                    self._slots[slot.watch_id] = slot
+            else:
+                watch_id = int(response.watch_id)
+                found = self._slots.get(watch_id)
+                if found is None:
+                    return
+                slot = found
+                if response.canceled:
+                    del self._slots[watch_id]
+                elif slot.once and response.events:
+                    del self._slots[watch_id]
+                    self._send_cancel(watch_id)
+        if response.created and not response.canceled:
+            slot.put(("created", int(response.header.revision)))
+        if response.events:
+            slot.put(("events", tuple(Event(event.type == kv_pb2.Event.DELETE, _to_key_value(event.kv))
+                                      for event in response.events)))
+        if response.canceled:
+            slot.put(("canceled", (int(response.compact_revision), response.cancel_reason)))
+
+
+class _WatchSlot:
+    """One watch's side of a stream: what the stream handed it, in order."""
+
+    def __init__(self, once: bool = False) -> None:
+        self.watch_id: int | None = None
+        self.cancelled = False
+        self.once = once
+        """Cancelled by the stream as it delivers the first batch of events."""
+        self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+
+    def put(self, item: _Item) -> None:
+        self._items.put(item)
+
+    def get(self, timeout: float) -> _Item | None:
+        try:
+            return self._items.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+
+
+class _GrpcWatch:
+    """:class:`Watch` on the client's stream to the endpoint that answered; resumed from the last change seen
+    (on any endpoint) when the stream fails."""
+
+    def __init__(self, client: GrpcEtcdClient, key: bytes, range_end: bytes, after_revision: int | None,
+                 once: bool = False) -> None:
+        self._client, self._key, self._end = client, key, range_end
+        self._once = once
+        self._stream: _WatchStream | None = None
+        self._slot: _WatchSlot | None = None
+        self._compacted = False
+        self._closed = False
+        self._revision = 0
+        self._start(after_revision, None)
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def next(self, timeout: float) -> Changes:
+        deadline = time.monotonic() + timeout
+        while not self._closed:
+            if self._compacted:
+                self._compacted = False
+                return Changes((), compacted=True)
+            if self._slot is None:  # not running since the stream failed: resume
+                self._start(self._revision, max(deadline - time.monotonic(), 0.0))
+                continue
+            item = self._slot.get(deadline - time.monotonic())
+            if item is None or self._closed:
+                return Changes(())
+            kind, value = item
+            if kind == "events":
+                self._revision = max(self._revision, *(event.kv.mod_revision for event in value))
+                return Changes(value)
+            if kind == "canceled":
+                compact_revision, reason = value
+                self._slot = None
+                if not compact_revision:
+                    raise EtcdConnectionError("etcd ended a watch on %r: %s" % (self._key, reason or "no reason given"))
+                self._start(None, max(deadline - time.monotonic(), 0.0))  # from now; the caller reads again
+                return Changes((), compacted=True)
+            if kind == "failed":
+                self._slot = None
+                logger.debug("etcd-v3: watch stream failed (%s); resuming after revision %d", value, self._revision)
         return Changes(())
-    except grpc.RpcError as exc:
-        if _is_deadline(exc):
-            return Changes(())
-        raise
-    finally:
-        done.set()
-        call.cancel()
+
+    def close(self) -> None:
+        """Cancel the watch and wake a thread waiting in :meth:`next` (which then returns no events)."""
+        if self._closed:
+            return
+        self._closed = True
+        slot = self._slot
+        if slot is not None:
+            if self._stream is not None:
+                self._stream.cancel(slot)
+            slot.put(("closed", None))
+
+    def __enter__(self) -> _GrpcWatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start(self, after_revision: int | None, timeout: float | None) -> None:
+        """Start the watch on any endpoint; raises :class:`EtcdConnectionError` when none answers in time."""
+        create = etcdrpc.WatchCreateRequest(key=self._key, range_end=self._end,
+                                            start_revision=0 if after_revision is None else after_revision + 1)
+
+        def rpc(channel: grpc.Channel, attempt_timeout: float, metadata: _Metadata) -> tuple[_WatchStream, _WatchSlot, int]:
+            stream = self._client._watch_stream(channel, metadata)
+            slot = _WatchSlot(self._once)
+            stream.open(slot, create)
+            item = slot.get(attempt_timeout)
+            if item is None:
+                stream.cancel(slot)
+                raise _WatchFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "etcd did not start the watch in time")
+            kind, value = item
+            if kind == "failed":
+                raise value
+            if kind == "canceled":
+                compact_revision, reason = value
+                if compact_revision:
+                    return stream, slot, -1
+                raise _WatchFailed(grpc.StatusCode.PERMISSION_DENIED if "permission" in reason else grpc.StatusCode.UNKNOWN,
+                                   reason or "etcd refused the watch")
+            return stream, slot, int(value)
+
+        stream, slot, revision = self._client._call("watch", rpc, timeout)
+        if revision < 0:  # the history after after_revision is compacted: from now, and say so
+            self._compacted = True
+            self._start(None, timeout)
+            return
+        if self._closed:
+            stream.cancel(slot)
+            return
+        self._stream, self._slot = stream, slot
+        self._revision = revision if after_revision is None else max(after_revision, self._revision)
 
 
 def _request_op(op: Op) -> etcdrpc.RequestOp:

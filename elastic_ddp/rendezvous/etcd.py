@@ -569,6 +569,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         state = self._state_holder.state
         if state.round != round_:
             return False  # a later round began: torch's own wait list speaks for it
+        if len(state.participants) >= len(members):  # the round's participants only ever lose members: a
+            return False  # count, not a set difference, on each of the agent's ten polls a second
         gone = members - state.participants.keys()
         if not gone:
             return False

@@ -248,9 +248,9 @@ class Rounds:
                 previous = Formed.decode(members.value, self._members_key(target).decode())
                 continue
             if result.succeeded:
-                formed = self._close(target, deadline, result.revision, me)
+                formed = self._close(target, deadline, me)
             else:
-                formed = self._await_members(target, deadline, result.revision, me)
+                formed = self._await_members(target, deadline, me)
             if formed.rank_of(me.node) is not None:
                 return formed
             logger.info("etcd-v3: round %d formed with max_nodes=%d others; this node waits for the next",
@@ -342,72 +342,77 @@ class Rounds:
             self._held = {key}
         logger.info("etcd-v3: %d nodes train already (max_nodes); this node waits as a spare for round %d",
                     self._rules.max_nodes, round_)
-        revision, prefix = result.revision, self.round_prefix(round_)
+        del result
+        prefix = self.round_prefix(round_)
         joins = (self.join_prefix(round_), self._control(round_))
-        while True:
-            changes = self._client.wait_for_changes(prefix, _prefix_end(prefix), revision,
-                                                    self._rules.keep_alive_interval.total_seconds())
-            self.keep_alive()
-            for event in changes.events:
-                revision = max(revision, event.kv.mod_revision)
-                if not event.deleted and event.kv.key.startswith(joins):
+        with self._client.watch(prefix, _prefix_end(prefix)) as watch:
+            fresh = True
+            while True:
+                if fresh:  # the watch just began, or a quiet slice: look at the keys themselves
+                    if self.is_closed():
+                        raise RendezvousGracefulExitError(f"the rendezvous is closed; spare {me.key} exits")
+                    kvs, _ = self._client.range_prefix(prefix)
+                    if any(kv.key.startswith(joins) for kv in kvs):
+                        return
+                changes = watch.next(self._rules.keep_alive_interval.total_seconds())
+                self.keep_alive()
+                if any(not event.deleted and event.kv.key.startswith(joins) for event in changes.events):
                     return
-            if changes.compacted or not changes.events:
-                if self.is_closed():
-                    raise RendezvousGracefulExitError(f"the rendezvous is closed; spare {me.key} exits")
-                kvs, revision = self._client.range_prefix(prefix)
-                if any(kv.key.startswith(joins) for kv in kvs):
-                    return
+                fresh = changes.compacted or not changes.events
 
-    def _await_members(self, round_: int, deadline: float, after: int, me: Member) -> Formed:
+    def _await_members(self, round_: int, deadline: float, me: Member) -> Formed:
         """Wait for ``round_``'s membership; take over as closer if the closer's key vanishes."""
         control = self._control(round_)
-        revision = after
-        next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._give_up(round_)
-            slice_s = min(remaining, self._rules.keep_alive_interval.total_seconds())
-            changes = self._client.wait_for_changes(control, _prefix_end(control), revision, slice_s)
-            takeover = changes.compacted
-            for event in changes.events:
-                revision = max(revision, event.kv.mod_revision)
-                if event.kv.key == self._members_key(round_) and not event.deleted:
-                    return Formed.decode(event.kv.value, event.kv.key.decode())
-                if event.kv.key == self._closer_key(round_) and event.deleted:
-                    takeover = True
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
-                self.keep_alive()
-                (closed, closer, members), _ = self._client.get_many(
-                    [self._closed_key, self._closer_key(round_), self._members_key(round_)])
-                if closed is not None:
-                    self.leave()
-                    raise RendezvousClosedError()
-                if members is not None:  # a missed event must not stall the join: look at the keys themselves
-                    return Formed.decode(members.value, self._members_key(round_).decode())
-                takeover = takeover or closer is None
-            if takeover:
-                result = self._liveness.write(lambda lease: self._client.transact(
-                    [(self._closer_key(round_), Absent())],
-                    [Put(self._closer_key(round_), me.key.encode(), lease), Read(self._members_key(round_))],
-                    [Read(self._members_key(round_))],
-                ))
-                if result.reads[0] is not None:
-                    return Formed.decode(result.reads[0].value, self._members_key(round_).decode())
-                if result.succeeded:
-                    with self._lock:
-                        self._held.add(self._closer_key(round_))
-                    logger.warning("etcd-v3: the closer of round %d is gone; this node closes it", round_)
-                    return self._close(round_, deadline, result.revision, me)
-                revision = max(revision, result.revision)
+        with self._client.watch(control, _prefix_end(control)) as watch:
+            check = True  # first right after the watch began: a membership written since this node's join
+            next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+            while True:
+                takeover = False
+                if check:
+                    (closed, closer, members), _ = self._client.get_many(
+                        [self._closed_key, self._closer_key(round_), self._members_key(round_)])
+                    if closed is not None:
+                        self.leave()
+                        raise RendezvousClosedError()
+                    if members is not None:
+                        return Formed.decode(members.value, self._members_key(round_).decode())
+                    takeover = closer is None
+                    check = False
+                if not takeover:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._give_up(round_)
+                    changes = watch.next(min(remaining, max(next_check - time.monotonic(), 0.001)))
+                    takeover = changes.compacted
+                    for event in changes.events:
+                        if event.kv.key == self._members_key(round_) and not event.deleted:
+                            return Formed.decode(event.kv.value, event.kv.key.decode())
+                        if event.kv.key == self._closer_key(round_) and event.deleted:
+                            takeover = True
+                    if time.monotonic() >= next_check:  # a missed event must not stall the join
+                        next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+                        self.keep_alive()
+                        check = True
+                        continue
+                if takeover:
+                    result = self._liveness.write(lambda lease: self._client.transact(
+                        [(self._closer_key(round_), Absent())],
+                        [Put(self._closer_key(round_), me.key.encode(), lease), Read(self._members_key(round_))],
+                        [Read(self._members_key(round_))],
+                    ))
+                    if result.reads[0] is not None:
+                        return Formed.decode(result.reads[0].value, self._members_key(round_).decode())
+                    if result.succeeded:
+                        with self._lock:
+                            self._held.add(self._closer_key(round_))
+                        logger.warning("etcd-v3: the closer of round %d is gone; this node closes it", round_)
+                        return self._close(round_, deadline, me)
 
     def _give_up(self, round_: int) -> None:
         self.leave()
         raise RendezvousTimeoutError(f"etcd-v3: round {round_} did not form with this node within join_timeout")
 
-    def _close(self, round_: int, deadline: float, after: int, me: Member) -> Formed:
+    def _close(self, round_: int, deadline: float, me: Member) -> Formed:
         """As the round's closer: watch the joins (and the previous round's nodes) until the rules close the
         round, then write its membership once."""
         self.closer_of = round_
@@ -415,37 +420,38 @@ class Rounds:
         high = _prefix_end(self.round_prefix(round_))
         previous = self._previous_members(round_)
         view = _CloserView(self, round_)
-        kvs, revision = self._client.range_prefix(low, end=high)
-        view.reset(kvs)
-        last_call: float | None = None
-        next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
-        while True:
-            draining = bool(view.previous)
-            if len(view.joins) < self._rules.min_nodes or draining:
-                last_call = None
-            elif last_call is None:
-                last_call = time.monotonic() + self._rules.last_call.total_seconds()
-            chosen = None if draining else self._decide(view, previous, last_call)
-            if chosen is not None:
-                return self._write_members(round_, chosen, revision)
-            now = time.monotonic()
-            if now >= deadline:
-                self._give_up(round_)
-            if now >= next_check:
-                next_check = now + self._rules.keep_alive_interval.total_seconds()
-                self.keep_alive()
-                if self.is_closed():
-                    self.leave()
-                    raise RendezvousClosedError()
-            wake = min(deadline, next_check) if last_call is None else min(deadline, next_check, last_call)
-            changes = self._client.wait_for_changes(low, high, revision, max(0.001, wake - time.monotonic()))
-            if changes.compacted:
-                kvs, revision = self._client.range_prefix(low, end=high)
-                view.reset(kvs)
-                continue
-            for event in changes.events:
-                revision = max(revision, event.kv.mod_revision)
-                view.apply(event.kv, event.deleted)
+        with self._client.watch(low, high) as watch:
+            kvs, revision = self._client.range_prefix(low, end=high)
+            view.reset(kvs)
+            last_call: float | None = None
+            next_check = time.monotonic() + self._rules.keep_alive_interval.total_seconds()
+            while True:
+                draining = bool(view.previous)
+                if len(view.joins) < self._rules.min_nodes or draining:
+                    last_call = None
+                elif last_call is None:
+                    last_call = time.monotonic() + self._rules.last_call.total_seconds()
+                chosen = None if draining else self._decide(view, previous, last_call)
+                if chosen is not None:
+                    return self._write_members(round_, chosen, revision)
+                now = time.monotonic()
+                if now >= deadline:
+                    self._give_up(round_)
+                if now >= next_check:
+                    next_check = now + self._rules.keep_alive_interval.total_seconds()
+                    self.keep_alive()
+                    if self.is_closed():
+                        self.leave()
+                        raise RendezvousClosedError()
+                wake = min(deadline, next_check) if last_call is None else min(deadline, next_check, last_call)
+                changes = watch.next(max(0.001, wake - time.monotonic()))
+                if changes.compacted:
+                    kvs, revision = self._client.range_prefix(low, end=high)
+                    view.reset(kvs)
+                    continue
+                for event in changes.events:
+                    revision = max(revision, event.kv.mod_revision)
+                    view.apply(event.kv, event.deleted)
 
     def _previous_members(self, round_: int) -> frozenset[str]:
         if round_ == 0:
@@ -558,10 +564,11 @@ class RoundWatch:
         rounds, formed = self._rounds, self.view.formed
         current, following = rounds.join_prefix(formed.round), rounds.join_prefix(formed.round + 1)
         low, high = current, _prefix_end(following)
-        revision = formed.revision
+        revision = formed.revision  # from where the membership was decided: a peer gone since counts
         slice_s = rounds._rules.keep_alive_interval.total_seconds()
         while not self._stop.is_set() and not self.changed:
-            try:
+            try:  # one wait at a time, each ending with its first batch: when every node re-joins at once, this
+                # node's stream ends at the first join instead of carrying all N
                 changes = rounds._client.wait_for_changes(low, high, revision, slice_s)
                 if changes.compacted:
                     kvs, revision = rounds._client.range_prefix(low, end=high)

@@ -230,26 +230,33 @@ class EtcdStore(dist.Store):
         return b"%s%s-%d" % (self._marker_prefix, self._instance, next(self._add_calls))
 
     def _wait_for(self, keys: Sequence[str], deadline: float) -> list[KeyValue]:
-        """All keys' values once all exist. Reads them once, then watches the range that spans the missing ones
-        and takes each from the event that writes it: waiting for N keys costs one read and N events, not a
-        read of all N per arrival (rank 0's agent waits for every agent's key each round)."""
+        """All keys' values once all exist. Reads them once; if some are missing, watches the range that spans
+        them from now, reads those again (a write between the read and the watch) and takes each from the event
+        that writes it: waiting for N keys costs two reads and N events, not a read of all N per arrival (rank
+        0's agent waits for every agent's key each round)."""
         names = {self._key(key): key for key in keys}
         etcd_keys = [self._key(key) for key in keys]
-        values, revision = self._client.get_many(etcd_keys)
+        values, _ = self._client.get_many(etcd_keys)
         found = {key: value for key, value in zip(etcd_keys, values) if value is not None}
-        while len(found) < len(names):
-            missing = sorted(names.keys() - found.keys())
-            self._check_deadline(deadline, [names[key] for key in missing], "wait for")
-            slice_s = max(min(deadline - time.monotonic(), _WATCH_SLICE_S), 0.001)
-            changes = self._client.wait_for_changes(missing[0], missing[-1] + b"\x00", revision, slice_s)
-            if changes.compacted or not changes.events:  # (a quiet slice: read again, as an outage check)
-                values, revision = self._client.get_many(missing)
-                found.update((key, value) for key, value in zip(missing, values) if value is not None)
-                continue
-            for event in changes.events:
-                revision = max(revision, event.kv.mod_revision)
-                if not event.deleted and event.kv.key in names:
-                    found[event.kv.key] = event.kv
+        if len(found) == len(names):
+            return [found[key] for key in etcd_keys]
+        missing = sorted(names.keys() - found.keys())
+        with self._client.watch(missing[0], missing[-1] + b"\x00") as watch:
+            fresh = True
+            while len(found) < len(names):
+                missing = sorted(names.keys() - found.keys())
+                if fresh:  # right after the watch began, or a quiet slice (read again, as an outage check)
+                    values, _ = self._client.get_many(missing)
+                    found.update((key, value) for key, value in zip(missing, values) if value is not None)
+                    fresh = False
+                    continue
+                self._check_deadline(deadline, [names[key] for key in missing], "wait for")
+                slice_s = max(min(deadline - time.monotonic(), _WATCH_SLICE_S), 0.001)
+                changes = watch.next(slice_s)
+                fresh = changes.compacted or not changes.events
+                for event in changes.events:
+                    if not event.deleted and event.kv.key in names:
+                        found[event.kv.key] = event.kv
         return [found[key] for key in etcd_keys]
 
     def _check_deadline(self, deadline: float, keys: Sequence[str], action: str) -> None:

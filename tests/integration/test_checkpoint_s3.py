@@ -93,6 +93,7 @@ def test_export_from_s3_loads_into_a_fresh_model_with_the_inspected_digest(
     assert exported == reference["facts"]["model_digest"]
 
 
+@pytest.mark.slow  # CI time: the S3 resume above runs the same store end to end
 def test_s3_checkpoints_hold_the_same_model_and_data_as_local_disk(
     reference: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

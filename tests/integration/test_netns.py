@@ -108,7 +108,10 @@ def test_teardown_kills_what_runs_inside_and_removes_every_namespace_it_made() -
     with Fabric() as fabric:
         host = fabric.add_host("n0")
         child = subprocess.Popen([*exec_prefix(host.namespace), sys.executable, "-c", "import time; time.sleep(600)"])
-        assert namespace_pids(host.namespace) == [child.pid]
+        deadline = time.monotonic() + 10  # `ip netns exec` enters the namespace, then execs the child (same pid)
+        while namespace_pids(host.namespace) != [child.pid]:
+            assert time.monotonic() < deadline, "the child never showed in its namespace"
+            time.sleep(0.05)
         made = list(fabric.created)
     assert child.wait(timeout=30) != 0
     assert not set(made) & set(existing_namespaces())

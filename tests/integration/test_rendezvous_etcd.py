@@ -14,6 +14,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError, Rend
 
 from elastic_ddp.rendezvous import EtcdStore, create_store
 from elastic_ddp.rendezvous.client import Absent, ClientOptions, Delete, GrpcEtcdClient, Put, Read
+from elastic_ddp.rendezvous.errors import EtcdConnectionError
 from tests.fixtures.etcd_proc import EtcdServer, free_ports
 from tests.fixtures.fake_etcd import FakeEtcdClient
 
@@ -55,15 +56,79 @@ def test_transact_runs_success_or_failure_and_returns_the_reads(client) -> None:
     assert [kv.key for kv in between] == [b"/t/closer", b"/t/j/b"]
 
 
-def test_wait_for_changes_sees_puts_and_deletes_after_a_revision_and_times_out_without(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_watch_delivers_puts_and_deletes_after_its_revision_batch_by_batch(client) -> None:  # type: ignore[no-untyped-def]
     revision = client.put(b"/w/a", b"1")
-    assert client.wait_for_changes(b"/w/", b"/w0", revision, 0.2).events == ()
-    threading.Timer(0.1, lambda: client.transact([], [Put(b"/w/b", b"2"), Delete(b"/w/a")])).start()
-    changes = client.wait_for_changes(b"/w/", b"/w0", revision, 5)
-    assert [(event.deleted, event.kv.key) for event in changes.events] == [(False, b"/w/b"), (True, b"/w/a")]
-    assert all(event.kv.mod_revision == revision + 1 for event in changes.events)
-    outside = client.wait_for_changes(b"/w/c", b"/w/d", revision, 0.2)
-    assert outside.events == ()
+    with client.watch(b"/w/", b"/w0", revision) as watch:
+        assert watch.revision == revision
+        assert watch.next(0.2).events == ()
+        threading.Timer(0.1, lambda: client.transact([], [Put(b"/w/b", b"2"), Delete(b"/w/a")])).start()
+        changes = watch.next(5)
+        assert [(event.deleted, event.kv.key) for event in changes.events] == [(False, b"/w/b"), (True, b"/w/a")]
+        assert all(event.kv.mod_revision == revision + 1 for event in changes.events)
+        later = client.put(b"/w/c", b"3")
+        assert [(event.kv.key, event.kv.mod_revision) for event in watch.next(5).events] == [(b"/w/c", later)]
+        assert watch.revision == later
+    with client.watch(b"/w/x", b"/w/y", revision) as outside:
+        assert outside.next(0.2).events == ()
+
+
+def test_a_watch_from_now_sees_only_later_changes(client) -> None:  # type: ignore[no-untyped-def]
+    before = client.put(b"/n/a", b"1")
+    with client.watch(b"/n/", b"/n0") as watch:
+        assert watch.revision >= before
+        assert watch.next(0.2).events == (), "an earlier change was replayed"
+        after = client.put(b"/n/b", b"2")
+        assert [event.kv.key for event in watch.next(5).events] == [b"/n/b"] and after > watch.revision - 1
+
+
+def test_closing_a_watch_wakes_its_waiter(client) -> None:  # type: ignore[no-untyped-def]
+    watch = client.watch(b"/z/", b"/z0")
+    threading.Timer(0.2, watch.close).start()
+    began = time.monotonic()
+    assert watch.next(10).events == ()
+    assert time.monotonic() - began < 5
+    client.put(b"/z/a", b"1")
+    assert watch.next(0.2).events == ()
+
+
+def test_many_watches_of_a_client_share_one_stream_and_each_gets_its_own_keys(etcd_server: EtcdServer) -> None:
+    client = GrpcEtcdClient(ClientOptions(endpoints=(etcd_server.endpoint,), request_timeout=5))
+    watches = [client.watch(b"/m/%d/" % index, b"/m/%d0" % index) for index in range(20)]
+    assert len(client._streams) == 1  # type: ignore[attr-defined]
+    for index in (3, 17, 3):
+        client.put(b"/m/%d/k" % index, b"%d" % index)
+    assert [len(watch.next(5).events) for watch in (watches[3], watches[17])] == [1, 1]
+    assert [event.kv.value for event in watches[3].next(5).events] == [b"3"]
+    for watch in watches[:10]:
+        watch.close()
+    client.put(b"/m/12/k", b"12")
+    assert [event.kv.value for event in watches[12].next(5).events] == [b"12"]
+    client.close()
+
+
+def test_a_watch_resumes_after_an_etcd_restart_from_the_last_change_it_delivered(etcd_server: EtcdServer) -> None:
+    """The stream breaks with the member; the watch starts again on the restarted one, after the revision it
+    delivered last, so a change made while it was gone is delivered, and none twice."""
+    client = GrpcEtcdClient(ClientOptions(endpoints=(etcd_server.endpoint,), request_timeout=2))
+    writer = GrpcEtcdClient(ClientOptions(endpoints=(etcd_server.endpoint,), request_timeout=10))
+    with client.watch(b"/r/", b"/r0") as watch:
+        writer.put(b"/r/a", b"1")
+        assert [event.kv.key for event in watch.next(5).events] == [b"/r/a"]
+        etcd_server.stop()
+        with pytest.raises(EtcdConnectionError):
+            watch.next(3)
+        etcd_server.start()
+        writer.put(b"/r/b", b"2")
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while not seen and time.monotonic() < deadline:
+            try:
+                seen = [event.kv.key for event in watch.next(5).events]
+            except EtcdConnectionError:
+                time.sleep(0.2)
+        assert seen == [b"/r/b"]
+    client.close()
+    writer.close()
 
 
 def test_many_keys_are_read_and_written_in_transactions_etcd_accepts(etcd_server: EtcdServer) -> None:
