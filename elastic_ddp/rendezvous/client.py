@@ -745,6 +745,7 @@ class _WatchStream:
             slots = [*self._pending, *self._slots.values()]
             self._pending.clear()
             self._slots.clear()
+        self._requests.put(None)  # ends gRPC's thread that feeds the request stream
         for slot in slots:
             slot.put(("failed", failure))
 
