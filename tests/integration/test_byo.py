@@ -78,6 +78,7 @@ def test_own_optimizer_schedule_loss_and_state_resume_bitwise(custom: dict) -> N
     assert evaluated and evaluated[-1]["step"] == 24
 
 
+@pytest.mark.slow  # CI time: a world-size change end to end; CI runs the weighted loss at one world size
 def test_a_weighted_loss_stays_the_global_mean_when_the_world_size_changes(custom: dict) -> None:
     """Samples weigh 1 + label units, so ranks hold unequal weight; at 3 ranks (60 samples, 20 each) the
     gradient must still be the mean over all units of the global batch, as at 2 ranks."""
