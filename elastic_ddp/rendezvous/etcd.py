@@ -55,7 +55,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
@@ -90,6 +90,7 @@ from elastic_ddp.rendezvous.rounds import Formed, Member, RoundRules, Rounds, Ro
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
@@ -174,6 +175,29 @@ class _RoundsState(_RendezvousStateHolder):
         self._state.last_heartbeats = {}
 
 
+class _Background(Generic[T]):
+    """``work()`` on a daemon thread; :meth:`result` waits for it and returns its value or raises its error."""
+
+    def __init__(self, work: Callable[[], T]) -> None:
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        name = "%s-reach-report" % threading.current_thread().name  # named after the agent's thread, for its logs
+        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], T]) -> None:
+        try:
+            self._value = work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread by result()
+            self._error = exc
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
 def _state_of(formed: Formed, alive: set[str], waiting: Iterable[_NodeDesc], closed: bool) -> _RendezvousState:
     state = _RendezvousState()
     state.round = formed.round
@@ -209,6 +233,7 @@ class _RoundsExecutor(_RendezvousOpExecutor):
             me = self._handler.member()
             formed = self._rounds.join(me, deadline, self._holder.formed)
             self._holder.formed_round(formed, self._rounds.watch(formed, me))
+            self._handler.start_report(formed)
         elif isinstance(state_handler, _RendezvousExitOp):
             if self.leaving:
                 self._rounds.leave()
@@ -281,6 +306,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._fork_server_started = False
         self._local_addr_given = True
         self._members: tuple[int, frozenset[_NodeDesc]] | None = None
+        self._report: tuple[int, _Background[reach.Report]] | None = None
+        """This node's reachability report for a round, being made since the round formed."""
         """The round this node trains in, and its participants (a peer missing from them later is gone)."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
@@ -360,9 +387,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             listener = self._probe_listener() if info.world_size > 1 else None
             if listener is None or self._reach_timeout is None:
                 return self._training_in(info)
-            formed = self._rounds_state().formed
-            addresses = [member.probe for member in formed.members] if formed is not None else []
-            left_out = reach.check_round(info.store, info.rank, info.world_size, addresses, self._reach_timeout)
+            left_out = reach.agree(info.store, self._my_report(info))
             if not left_out:
                 return self._training_in(info)
             if info.rank in left_out:
@@ -373,6 +398,29 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     "etcd-v3: round %d of rendezvous %s leaves out agent rank(s) %s, which some node cannot reach; "
                     "re-forming without them", self._state_holder.state.round, self._settings.run_id, sorted(left_out),
                 )  # fmt: skip
+
+    def start_report(self, formed: Formed) -> None:
+        """Probe this node's ring successors and publish its reachability report on a thread, as soon as the
+        round's membership is known: torch's handler then waits for rank 0's ``MASTER_ADDR``, and the
+        judge's wait for every report overlaps that wait instead of following it."""
+        self._report = None
+        rank = formed.rank_of(self._this_node)
+        if self._reach_timeout is None or rank is None or len(formed.members) < 2 or self._probe_listener() is None:
+            return
+        store = dist.PrefixStore(_round_store_prefix(self._settings.run_id, formed.round), self._store)
+        addresses = [member.probe for member in formed.members]
+        timeout, world_size = self._reach_timeout, len(formed.members)
+        self._report = (formed.round, _Background(lambda: reach.report(store, rank, world_size, addresses, timeout)))
+
+    def _my_report(self, info: RendezvousInfo) -> reach.Report:
+        """This node's report for the round ``info`` is of: the one :meth:`start_report` began, else made now."""
+        assert self._reach_timeout is not None
+        pending, self._report = self._report, None
+        if pending is not None and pending[0] == self._state_holder.state.round:
+            return pending[1].result()
+        formed = self._rounds_state().formed
+        addresses = [member.probe for member in formed.members] if formed is not None else []
+        return reach.report(info.store, info.rank, info.world_size, addresses, self._reach_timeout)
 
     def _training_in(self, info: RendezvousInfo) -> RendezvousInfo:
         state = self._state_holder.state

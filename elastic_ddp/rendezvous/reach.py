@@ -10,7 +10,8 @@ each agent, once a round completes:
    once, each within ``reach_timeout`` (a connection needs packets both ways, so a one-way cut is a
    cut too): a node makes at most :data:`PROBES` probes per round and receives at most as many,
    whatever the size of the job;
-3. publishes the ranks it could not reach as ``reach/report/<rank>`` in the round's store;
+3. publishes the ranks it could not reach as ``reach/report/<rank>`` in the round's store (steps 2 and 3
+   are :func:`report`, which the handler runs as soon as the membership is known);
 4. rank 0, the judge, waits for every report until ``2 * reach_timeout`` after it started (a node
    that published none is left out), computes which nodes to leave out (:func:`exclusions`) and
    writes it with a compare-and-set on ``reach/verdict``; every agent acts on that verdict. A node
@@ -37,6 +38,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
 
@@ -211,20 +213,34 @@ def decode_ranks(value: bytes, world_size: int) -> frozenset[int] | None:
     return ranks if all(rank < world_size for rank in ranks) else None
 
 
-def check_round(
-    store: dist.Store, rank: int, world_size: int, addresses: Sequence[str], timeout: float
-) -> frozenset[int]:
-    """Run the check for one completed round (steps 2-4 of the module docstring) on the round's store;
-    ``addresses[r]`` is rank ``r``'s probe address (empty: it has no listener). Returns the ranks every
-    agent of the round agreed to leave out."""
+@dataclass(frozen=True)
+class Report:
+    """What one agent found and published for one round (steps 2-3 of the module docstring)."""
+
+    rank: int
+    world_size: int
+    unreached: frozenset[int]
+    started: float
+    """When the check began (monotonic): the judge waits for the reports until ``2 * timeout`` after it."""
+    timeout: float
+
+
+def report(store: dist.Store, rank: int, world_size: int, addresses: Sequence[str], timeout: float) -> Report:
+    """Probe this agent's ring successors and publish which it could not reach (steps 2-3)."""
     started = time.monotonic()
-    deadline = started + 2 * timeout
     targets = ring_targets(rank, world_size)
     known = {target: address for target in targets
              if target < len(addresses) and (address := parse_address(addresses[target].encode())) is not None}
     reached = probe(known, timeout)
     unreached = frozenset(targets) - reached
     store.set(REPORT_KEY % rank, encode_ranks(unreached))
+    return Report(rank, world_size, unreached, started, timeout)
+
+
+def agree(store: dist.Store, mine: Report) -> frozenset[int]:
+    """The ranks every agent of the round agrees to leave out (step 4), after this agent's :func:`report`."""
+    rank, world_size, timeout = mine.rank, mine.world_size, mine.timeout
+    deadline = mine.started + 2 * timeout
     agreed: frozenset[int] | None = None
     if rank == JUDGE:
         agreed = _propose(store, world_size, deadline)
@@ -233,12 +249,21 @@ def check_round(
         agreed = decode_ranks(verdict, world_size) if verdict is not None else _propose(store, world_size, 0.0)
     if agreed is None:
         raise ValueError(f"etcd-v3: the round's reachability verdict is malformed in the store (key {VERDICT_KEY})")
-    if agreed or unreached:
+    if agreed or mine.unreached:
         logger.warning(
             "etcd-v3: reachability check of rank %d in %.2f s: unreached %s; the round leaves out %s",
-            rank, time.monotonic() - started, sorted(unreached) or "none", sorted(agreed) or "nobody",
+            rank, time.monotonic() - mine.started, sorted(mine.unreached) or "none", sorted(agreed) or "nobody",
         )  # fmt: skip
     return agreed
+
+
+def check_round(
+    store: dist.Store, rank: int, world_size: int, addresses: Sequence[str], timeout: float
+) -> frozenset[int]:
+    """Run the check for one completed round (steps 2-4 of the module docstring) on the round's store;
+    ``addresses[r]`` is rank ``r``'s probe address (empty: it has no listener). Returns the ranks every
+    agent of the round agreed to leave out."""
+    return agree(store, report(store, rank, world_size, addresses, timeout))
 
 
 def _propose(store: dist.Store, world_size: int, deadline: float) -> frozenset[int] | None:

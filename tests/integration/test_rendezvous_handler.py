@@ -351,7 +351,8 @@ def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
 def _three_nodes_the_third_cut_off(endpoint: str, monkeypatch: pytest.MonkeyPatch,
                                    cut_off: threading.Event) -> list[DynamicRendezvousHandler]:
     """Three handlers of a 1:3 job (1 s heartbeats and probes). The third's probe listener is closed, so
-    nobody reaches it, and while ``cut_off`` is set its probes (made on a thread named ``node-2``) fail."""
+    nobody reaches it, and while ``cut_off`` is set its probes (made on a thread named ``node-2``, or on one of
+    that thread's helpers) fail."""
     conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "join_timeout": "60", "reach_timeout": "1"}
     run_id = uuid.uuid4().hex[:8]
     handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 3,
@@ -359,7 +360,8 @@ def _three_nodes_the_third_cut_off(endpoint: str, monkeypatch: pytest.MonkeyPatc
     probe = reach.probe
 
     def probe_unless_cut_off(addresses, timeout):  # type: ignore[no-untyped-def]
-        return frozenset() if cut_off.is_set() and threading.current_thread().name == "node-2" else probe(addresses, timeout)
+        cut = cut_off.is_set() and threading.current_thread().name.startswith("node-2")  # its own or its helpers'
+        return frozenset() if cut else probe(addresses, timeout)
 
     monkeypatch.setattr(reach, "probe", probe_unless_cut_off)
     handlers[2]._probe_listener().close()  # type: ignore[attr-defined]
