@@ -269,6 +269,9 @@ class EtcdClient(Protocol):
         a watch from now at once, while one from a past revision waits for its catch-up (every 100 ms), so a
         wait for a state starts a watch from now and then reads the state. Returns once etcd started it."""
 
+    def watch_keys(self, keys: Sequence[bytes], after_revision: int) -> Watch:
+        """Watch each of ``keys`` (single keys) for changes after ``after_revision``, as one :class:`Watch`."""
+
     def lease_grant(self, ttl: int) -> int:
         """A new lease of ``ttl`` seconds; returns its id."""
 
@@ -423,13 +426,17 @@ class GrpcEtcdClient:
         """See :class:`EtcdClient`. A watch on this client's stream that the stream cancels itself as it
         delivers the first batch."""
         deadline = time.monotonic() + timeout
-        with _GrpcWatch(self, key, range_end, after_revision, once=True) as watch:
+        with _GrpcWatch(self, [(key, range_end)], after_revision, once=True) as watch:
             return watch.next(max(deadline - time.monotonic(), 0.0))
 
     def watch(self, key: bytes, range_end: bytes, after_revision: int | None = None) -> Watch:
         """See :class:`EtcdClient`. Every watch of this client to one endpoint shares one stream
         (:class:`_WatchStream`)."""
-        return _GrpcWatch(self, key, range_end, after_revision)
+        return _GrpcWatch(self, [(key, range_end)], after_revision)
+
+    def watch_keys(self, keys: Sequence[bytes], after_revision: int) -> Watch:
+        """See :class:`EtcdClient`. One etcd watch per key, all on this client's stream."""
+        return _GrpcWatch(self, [(key, b"") for key in keys], after_revision)
 
     # -- leases, status ---------------------------------------------------
 
@@ -701,7 +708,7 @@ class _WatchStream:
         self._requests: queue.SimpleQueue[etcdrpc.WatchRequest | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: deque[_WatchSlot] = deque()
-        """Slots whose creation was sent, in order, until etcd answers it."""
+        """A slot for each creation sent, in order, until etcd answers it."""
         self._slots: dict[int, _WatchSlot] = {}
         self._failure: grpc.RpcError | None = None
         self._call = etcdrpc.WatchStub(channel).Watch(iter(self._requests.get, None), metadata=metadata)
@@ -711,26 +718,29 @@ class _WatchStream:
         with self._lock:
             return self._failure is None and metadata == self._metadata
 
-    def open(self, slot: _WatchSlot, create: etcdrpc.WatchCreateRequest) -> None:
+    def open(self, slot: _WatchSlot, creates: Sequence[etcdrpc.WatchCreateRequest]) -> None:
+        """Create one etcd watch per request, all delivering to ``slot``."""
         with self._lock:
             if self._failure is not None:
                 raise self._failure
-            self._pending.append(slot)
-            self._requests.put(etcdrpc.WatchRequest(create_request=create))
+            for create in creates:
+                self._pending.append(slot)
+                self._requests.put(etcdrpc.WatchRequest(create_request=create))
 
     def cancel(self, slot: _WatchSlot) -> None:
         with self._lock:
-            slot.cancelled = True
-            if slot.watch_id is not None and self._slots.pop(slot.watch_id, None) is not None:
-                self._send_cancel(slot.watch_id)
+            self._cancel(slot)
 
     def close(self) -> None:
         self._requests.put(None)
         self._call.cancel()
 
-    def _send_cancel(self, watch_id: int) -> None:
-        if self._failure is None:
-            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+    def _cancel(self, slot: _WatchSlot) -> None:
+        """(Lock held.) Cancel the slot's watches; those not created yet are cancelled as their creation arrives."""
+        slot.cancelled = True
+        for watch_id in slot.watch_ids:
+            if self._slots.pop(watch_id, None) is not None and self._failure is None:
+                self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _read(self) -> None:
         failure: grpc.RpcError
@@ -742,28 +752,29 @@ class _WatchStream:
             failure = exc
         with self._lock:
             self._failure = failure
-            slots = [*self._pending, *self._slots.values()]
+            slots = {id(slot): slot for slot in (*self._pending, *self._slots.values())}
             self._pending.clear()
             self._slots.clear()
         self._requests.put(None)  # ends gRPC's thread that feeds the request stream
-        for slot in slots:
+        for slot in slots.values():
             slot.put(("failed", failure))
 
     def _dispatch(self, response: Any) -> None:
+        watch_id = int(response.watch_id)
         with self._lock:
             if response.created:
                 if not self._pending:
                     return
                 slot = self._pending.popleft()
-                slot.watch_id = int(response.watch_id)
-                if slot.cancelled:
-                    if not response.canceled:
-                        self._send_cancel(slot.watch_id)
+                if response.canceled:  # refused, or compacted: no watch to cancel later
+                    pass
+                elif slot.cancelled:
+                    self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
                     return
-                if not response.canceled:
-                    self._slots[slot.watch_id] = slot
+                else:
+                    slot.watch_ids.append(watch_id)
+                    self._slots[watch_id] = slot
             else:
-                watch_id = int(response.watch_id)
                 found = self._slots.get(watch_id)
                 if found is None:
                     return
@@ -771,8 +782,7 @@ class _WatchStream:
                 if response.canceled:
                     del self._slots[watch_id]
                 elif slot.once and response.events:
-                    del self._slots[watch_id]
-                    self._send_cancel(watch_id)
+                    self._cancel(slot)
         if response.created and not response.canceled:
             slot.put(("created", int(response.header.revision)))
         if response.events:
@@ -783,10 +793,10 @@ class _WatchStream:
 
 
 class _WatchSlot:
-    """One watch's side of a stream: what the stream handed it, in order."""
+    """One watch's side of a stream (one or several etcd watches): what the stream handed it, in order."""
 
     def __init__(self, once: bool = False) -> None:
-        self.watch_id: int | None = None
+        self.watch_ids: list[int] = []
         self.cancelled = False
         self.once = once
         """Cancelled by the stream as it delivers the first batch of events."""
@@ -803,15 +813,17 @@ class _WatchSlot:
 
 
 class _GrpcWatch:
-    """:class:`Watch` on the client's stream to the endpoint that answered; resumed from the last change seen
-    (on any endpoint) when the stream fails."""
+    """:class:`Watch` of one or several key ranges on the client's stream to the endpoint that answered;
+    resumed from the last change seen (on any endpoint) when the stream fails."""
 
-    def __init__(self, client: GrpcEtcdClient, key: bytes, range_end: bytes, after_revision: int | None,
+    def __init__(self, client: GrpcEtcdClient, ranges: Sequence[tuple[bytes, bytes]], after_revision: int | None,
                  once: bool = False) -> None:
-        self._client, self._key, self._end = client, key, range_end
+        self._client, self._ranges = client, tuple(ranges)
         self._once = once
         self._stream: _WatchStream | None = None
         self._slot: _WatchSlot | None = None
+        self._early: deque[_Item] = deque()
+        """What the slot delivered while the watch was being started (events of a range created first)."""
         self._compacted = False
         self._closed = False
         self._revision = 0
@@ -830,7 +842,7 @@ class _GrpcWatch:
             if self._slot is None:  # not running since the stream failed: resume
                 self._start(self._revision, max(deadline - time.monotonic(), 0.0))
                 continue
-            item = self._slot.get(deadline - time.monotonic())
+            item = self._early.popleft() if self._early else self._slot.get(deadline - time.monotonic())
             if item is None or self._closed:
                 return Changes(())
             kind, value = item
@@ -839,13 +851,14 @@ class _GrpcWatch:
                 return Changes(value)
             if kind == "canceled":
                 compact_revision, reason = value
-                self._slot = None
+                self._drop()
                 if not compact_revision:
-                    raise EtcdConnectionError("etcd ended a watch on %r: %s" % (self._key, reason or "no reason given"))
+                    raise EtcdConnectionError("etcd ended a watch on %r: %s" % (self._ranges[0][0], reason or "no reason"))
                 self._start(None, max(deadline - time.monotonic(), 0.0))  # from now; the caller reads again
                 return Changes((), compacted=True)
             if kind == "failed":
                 self._slot = None
+                self._early.clear()
                 logger.debug("etcd-v3: watch stream failed (%s); resuming after revision %d", value, self._revision)
         return Changes(())
 
@@ -866,31 +879,47 @@ class _GrpcWatch:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _drop(self) -> None:
+        if self._stream is not None and self._slot is not None:
+            self._stream.cancel(self._slot)
+        self._slot = None
+        self._early.clear()
+
     def _start(self, after_revision: int | None, timeout: float | None) -> None:
         """Start the watch on any endpoint; raises :class:`EtcdConnectionError` when none answers in time."""
-        create = etcdrpc.WatchCreateRequest(key=self._key, range_end=self._end,
-                                            start_revision=0 if after_revision is None else after_revision + 1)
+        start = 0 if after_revision is None else after_revision + 1
+        creates = [etcdrpc.WatchCreateRequest(key=key, range_end=end, start_revision=start) for key, end in self._ranges]
 
-        def rpc(channel: grpc.Channel, attempt_timeout: float, metadata: _Metadata) -> tuple[_WatchStream, _WatchSlot, int]:
+        def rpc(channel: grpc.Channel, attempt_timeout: float, metadata: _Metadata
+                ) -> tuple[_WatchStream, _WatchSlot, int, list[_Item]]:
             stream = self._client._watch_stream(channel, metadata)
             slot = _WatchSlot(self._once)
-            stream.open(slot, create)
-            item = slot.get(attempt_timeout)
-            if item is None:
-                stream.cancel(slot)
-                raise _WatchFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "etcd did not start the watch in time")
-            kind, value = item
-            if kind == "failed":
-                raise value
-            if kind == "canceled":
-                compact_revision, reason = value
-                if compact_revision:
-                    return stream, slot, -1
-                raise _WatchFailed(grpc.StatusCode.PERMISSION_DENIED if "permission" in reason else grpc.StatusCode.UNKNOWN,
-                                   reason or "etcd refused the watch")
-            return stream, slot, int(value)
+            stream.open(slot, creates)
+            deadline = time.monotonic() + attempt_timeout
+            created: list[int] = []
+            early: list[_Item] = []
+            while len(created) < len(creates):
+                item = slot.get(deadline - time.monotonic())
+                if item is None:
+                    stream.cancel(slot)
+                    raise _WatchFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "etcd did not start the watch in time")
+                kind, value = item
+                if kind == "created":
+                    created.append(int(value))
+                elif kind == "failed":
+                    raise value
+                elif kind == "canceled":
+                    stream.cancel(slot)
+                    compact_revision, reason = value
+                    if compact_revision:
+                        return stream, slot, -1, []
+                    raise _WatchFailed(grpc.StatusCode.PERMISSION_DENIED if "permission" in reason
+                                       else grpc.StatusCode.UNKNOWN, reason or "etcd refused the watch")
+                else:
+                    early.append(item)
+            return stream, slot, max(created), early
 
-        stream, slot, revision = self._client._call("watch", rpc, timeout)
+        stream, slot, revision, early = self._client._call("watch", rpc, timeout)
         if revision < 0:  # the history after after_revision is compacted: from now, and say so
             self._compacted = True
             self._start(None, timeout)
@@ -899,6 +928,7 @@ class _GrpcWatch:
             stream.cancel(slot)
             return
         self._stream, self._slot = stream, slot
+        self._early.extend(early)
         self._revision = revision if after_revision is None else max(after_revision, self._revision)
 
 

@@ -16,14 +16,15 @@ Every operation here costs etcd work that grows linearly with the number of node
   round's membership once. If the closer dies, its key vanishes with its lease, and the first waiting
   node to re-create the key takes over.
 - **Everyone else** watches the round's two control keys and learns the membership from the one
-  event that writes it. A node that trains watches its round's node keys and the next round's (a
-  peer gone, a node waiting) from the revision the membership was decided at.
+  event that writes it. A node that trains watches a constant number of keys from the revision the
+  membership was decided at (:class:`RoundWatch`): its own, its ring successors' (a peer gone) and
+  the next round's closer key (a node waiting).
 
 Keys (``<p>`` = the run's prefix, ``<n>`` = the round, ten digits)::
 
     <p>closed                 the job is over (set_closed, shutdown)
     <p>latest                 the newest formed round's number
-    <p>round/<n>/c/closer     round n's closer (its node key; liveness lease)
+    <p>round/<n>/c/closer     round n's closer (its descriptor; liveness lease)
     <p>round/<n>/c/members    round n's membership in rank order, written once by its closer
     <p>round/<n>/j/<node>     a node joining or training in round n (its descriptor; liveness lease)
     <p>round/<n>/s/<node>     a spare: it came when max_nodes were training; joins round n when it opens
@@ -50,7 +51,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic_ddp.rendezvous._torch_compat import _NodeDesc
-from elastic_ddp.rendezvous.client import Absent, Delete, EtcdClient, KeyValue, Op, Put, Read, TxnResult
+from elastic_ddp.rendezvous.client import Absent, Delete, EtcdClient, KeyValue, Op, Put, Read, TxnResult, Watch
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 
@@ -169,7 +170,7 @@ class RunningView:
     alive: set[str] = field(default_factory=set)
     """Node keys of the round's members whose key still exists."""
     waiting: dict[str, _NodeDesc] = field(default_factory=dict)
-    """Nodes that joined the next round."""
+    """The next round's closer, once it exists: the first node waiting for that round."""
     error: EtcdConnectionError | None = None
     """Set while etcd does not answer the watch."""
 
@@ -330,14 +331,14 @@ class Rounds:
         """One transaction: put this node's key in ``round_`` (the closer key too if it is the first), drop its
         older keys, and read the round's membership (present: formed without this node) and ``closed``."""
         key = self._join_key(round_, me)
-        value = json.dumps(me.encode(), separators=(",", ":")).encode()
+        value = _descriptor(me)
         with self._lock:
             drop: list[Op] = [Delete(old) for old in sorted(self._held) if old != key]
         closer = self._closer_key(round_)
 
         def transact(lease: int) -> TxnResult:
             common = [Put(key, value, lease), *drop, Read(self._members_key(round_)), Read(self._closed_key)]
-            return self._client.transact([(closer, Absent())], [Put(closer, me.key.encode(), lease), *common], common)
+            return self._client.transact([(closer, Absent())], [Put(closer, value, lease), *common], common)
 
         result = self._liveness.write(transact)
         with self._lock:
@@ -347,7 +348,7 @@ class Rounds:
     def _wait_as_spare(self, me: Member, round_: int) -> None:
         """Wait as a spare until ``round_`` opens (some node joins it): max_nodes train without this node."""
         key = self._spare_key(round_, me)
-        value = json.dumps(me.encode(), separators=(",", ":")).encode()
+        value = _descriptor(me)
         with self._lock:
             drop: list[Op] = [Delete(old) for old in sorted(self._held) if old != key]
         result = self._liveness.write(lambda lease: self._client.transact([], [Put(key, value, lease), *drop]))
@@ -410,7 +411,7 @@ class Rounds:
                 if takeover:
                     result = self._liveness.write(lambda lease: self._client.transact(
                         [(self._closer_key(round_), Absent())],
-                        [Put(self._closer_key(round_), me.key.encode(), lease), Read(self._members_key(round_))],
+                        [Put(self._closer_key(round_), _descriptor(me), lease), Read(self._members_key(round_))],
                         [Read(self._members_key(round_))],
                     ))
                     if result.reads[0] is not None:
@@ -552,21 +553,41 @@ class _CloserView:
         return {key[len(self._joins):].decode(errors="replace") for key in self.joins}
 
 
+WATCHED_PEERS = 3
+"""How many members after it on the ring of ranks a training node watches (all others in smaller rounds)."""
+
+
 class RoundWatch:
-    """A training node's watch on its round: which members' keys still exist, and who joined the next
-    round. It stops at the first change either way (the agent then restarts its workers and re-joins),
-    so a re-formation does not send every node every other node's moves."""
+    """A training node's watch on its round, on a constant number of keys whatever the round's size: its own
+    key (its lease expired), the keys of the :data:`WATCHED_PEERS` members after it on the ring of ranks (a
+    peer gone: the member's lease expired, or it left), and the next round's closer key (a node waiting: the
+    first node to join the next round creates it). A peer gone is seen by the members before it on the ring,
+    which re-join at once, and that join is the next round's first: everyone else sees it as a node waiting.
+    So a node learns of any change from one event, and a re-formation in which every node moves costs each
+    node a few events, not every other node's moves. It stops at the first change (the agent then restarts
+    its workers and re-joins)."""
 
     def __init__(self, rounds: Rounds, formed: Formed, me: Member) -> None:
         self.view = RunningView(formed, alive={member.key for member in formed.members})
         self._rounds = rounds
         self._me = me
+        count = len(formed.members)
+        rank = formed.rank_of(me.node)
+        peers = [formed.members[(rank + offset) % count] for offset in range(1, min(WATCHED_PEERS, count - 1) + 1)] \
+            if rank is not None else []
+        self._members = {rounds._join_key(formed.round, member): member.key for member in (me, *peers)}
+        """The watched keys of this round, by key: this node's and its ring successors'."""
+        self._closer = rounds._closer_key(formed.round + 1)
         self._stop = threading.Event()
+        self._watch: Watch | None = None
         self._thread = threading.Thread(target=self._run, name="etcd-v3-round-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        watch = self._watch
+        if watch is not None:
+            watch.close()  # wakes the thread
 
     @property
     def changed(self) -> bool:
@@ -574,48 +595,59 @@ class RoundWatch:
         return bool(view.waiting) or len(view.alive) != len(view.formed.members)
 
     def _run(self) -> None:
-        rounds, formed = self._rounds, self.view.formed
-        current, following = rounds.join_prefix(formed.round), rounds.join_prefix(formed.round + 1)
-        low, high = current, _prefix_end(following)
-        revision = formed.revision  # from where the membership was decided: a peer gone since counts
-        slice_s = rounds._rules.keep_alive_interval.total_seconds()
-        while not self._stop.is_set() and not self.changed:
-            try:  # one wait at a time, each ending with its first batch: when every node re-joins at once, this
-                # node's stream ends at the first join instead of carrying all N
-                changes = rounds._client.wait_for_changes(low, high, revision, slice_s)
-                if changes.compacted:
-                    kvs, revision = rounds._client.range_prefix(low, end=high)
-                    self._rebuild(kvs, current, following)
+        client = self._rounds._client
+        keys = [*self._members, self._closer]
+        revision = self.view.formed.revision  # from where the membership was decided: a peer gone since counts
+        slice_s = self._rounds._rules.keep_alive_interval.total_seconds()
+        watch: Watch | None = None
+        try:
+            while not self._stop.is_set() and not self.changed:
+                try:
+                    if watch is None:
+                        watch = self._watch = client.watch_keys(keys, revision)
+                        if self._stop.is_set():
+                            break
+                    changes = watch.next(slice_s)
+                    if changes.compacted:  # the events since revision are gone: look at the keys themselves
+                        values, revision = client.get_many(keys)
+                        self._rebuild(dict(zip(keys, values)))
+                        watch.close()
+                        watch = None
+                        continue
+                except EtcdConnectionError as exc:
+                    self.view.error = exc
+                    self._stop.wait(0.5)
                     continue
-            except EtcdConnectionError as exc:
-                self.view.error = exc
-                self._stop.wait(0.5)
-                continue
-            self.view.error = None
-            for event in changes.events:
-                revision = max(revision, event.kv.mod_revision)
-                self._apply(event.kv.key, None if event.deleted else event.kv, current, following)
+                self.view.error = None
+                for event in changes.events:
+                    revision = max(revision, event.kv.mod_revision)
+                    self._apply(event.kv.key, None if event.deleted else event.kv)
+        finally:
+            if watch is not None:
+                watch.close()
 
-    def _apply(self, key: bytes, kv: KeyValue | None, current: bytes, following: bytes) -> None:
+    def _apply(self, key: bytes, kv: KeyValue | None) -> None:
         view = self.view
-        if key.startswith(current):
-            name = key[len(current):].decode(errors="replace")
+        name = self._members.get(key)
+        if name is not None:
             if kv is None:
                 view.alive.discard(name)
-        elif key.startswith(following):
-            name = key[len(following):].decode(errors="replace")
+        elif key == self._closer:
             if kv is None:
-                view.waiting.pop(name, None)
-            elif name != self._me.key and (member := self._rounds._member(kv)) is not None:
-                view.waiting[name] = member.node
+                view.waiting.clear()
+            elif (member := self._rounds._member(kv)) is not None and member.key != self._me.key:
+                view.waiting = {member.key: member.node}
 
-    def _rebuild(self, kvs: Iterable[KeyValue], current: bytes, following: bytes) -> None:
-        present = {kv.key: kv for kv in kvs}
+    def _rebuild(self, values: dict[bytes, KeyValue | None]) -> None:
         view = self.view
-        view.alive = {member.key for member in view.formed.members if current + member.key.encode() in present}
+        view.alive = {member.key for member in view.formed.members}
         view.waiting = {}
-        for key, kv in present.items():
-            self._apply(key, kv, current, following)
+        for key, kv in values.items():
+            self._apply(key, kv)
+
+
+def _descriptor(member: Member) -> bytes:
+    return json.dumps(member.encode(), separators=(",", ":")).encode()
 
 
 def _prefix_end(prefix: bytes) -> bytes:

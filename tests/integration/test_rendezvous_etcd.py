@@ -72,6 +72,21 @@ def test_a_watch_delivers_puts_and_deletes_after_its_revision_batch_by_batch(cli
         assert outside.next(0.2).events == ()
 
 
+def test_a_watch_of_keys_sees_those_keys_only(client) -> None:  # type: ignore[no-untyped-def]
+    revision = client.put(b"/k/a", b"1")
+    with client.watch_keys([b"/k/a", b"/k/c"], revision) as watch:
+        client.put(b"/k/b", b"2")
+        client.put(b"/k/ab", b"2")
+        later = client.transact([], [Put(b"/k/c", b"3"), Delete(b"/k/a")]).revision
+        seen: list[tuple[bool, bytes]] = []
+        while len(seen) < 2:
+            changes = watch.next(5)
+            assert changes.events, "a change to a watched key did not arrive"
+            seen += [(event.deleted, event.kv.key) for event in changes.events]
+        assert sorted(seen) == [(False, b"/k/c"), (True, b"/k/a")] and watch.revision == later
+        assert watch.next(0.2).events == ()
+
+
 def test_a_watch_from_now_sees_only_later_changes(client) -> None:  # type: ignore[no-untyped-def]
     before = client.put(b"/n/a", b"1")
     with client.watch(b"/n/", b"/n0") as watch:

@@ -233,6 +233,43 @@ def test_a_node_that_left_a_full_round_re_joins_as_a_waiting_node_not_a_spare(cl
         handler.shutdown()
 
 
+def test_a_node_gone_from_a_large_round_reaches_every_node_through_its_ring_predecessors(client: FakeEtcdClient) -> None:
+    """Each training node watches only its own key, the keys of the few members after it on the ring of
+    ranks and the next round's closer key. A node that leaves is seen gone by the members before it; they
+    re-join at once, and the first join of the next round is a node waiting for everyone else: all re-form
+    without it."""
+    handlers = [node(client, (1, 8), keep_alive_s=1) for _ in range(8)]
+    assert together(handlers) == [8] * 8
+    ranks = {handler._state_holder.state.participants[handler._this_node]: handler for handler in handlers}
+    gone = ranks[6]
+    watchers = {ranks[rank] for rank in (3, 4, 5)}  # rank 6 is among the three after each of them on the ring
+    gone.leave()
+    survivors = [handler for handler in handlers if handler is not gone]
+    saw: set[EtcdRendezvousHandler] = set()  # a poll that counts a peer gone says so once: the agent acts on it
+    deadline = time.monotonic() + 10
+    while saw != watchers:
+        assert time.monotonic() < deadline, "the members before the gone node never saw it gone"
+        saw |= {handler for handler in watchers - saw if handler.num_nodes_waiting() > 0}
+        time.sleep(0.05)
+    assert all(handler.num_nodes_waiting() == 0 for handler in survivors if handler not in watchers), \
+        "a node that does not watch the gone one saw a change before anyone re-joined"
+    sizes: dict[int, int] = {}
+
+    def agent(index: int, handler: EtcdRendezvousHandler) -> None:  # what torchrun's agent does
+        while handler not in saw and handler.num_nodes_waiting() == 0:
+            time.sleep(0.05)
+        sizes[index] = handler.next_rendezvous().world_size
+
+    threads = [threading.Thread(target=agent, args=(index, handler), daemon=True) for index, handler in enumerate(survivors)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sizes == {index: 7 for index in range(7)}
+    for handler in survivors:
+        handler.shutdown()
+
+
 def test_a_peer_whose_lease_expired_counts_as_a_waiting_node(client: FakeEtcdClient) -> None:
     silent, survivor = node(client, (1, 2), keep_alive_s=1, attempts=2), node(client, (1, 2), keep_alive_s=1, attempts=2)
     together([silent, survivor])
