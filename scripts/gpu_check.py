@@ -10,7 +10,10 @@ Checks, each printed PASS or FAIL with what was compared:
    from device memory) gives bitwise the model and data digests of the same run without the stop;
 3. the newest checkpoint, saved in the background from device memory, holds the model the run ended with;
 4. the rescue's rule for a GPU: a state with work still queued on the device's stream is not kept,
-   the same state once the stream is idle is.
+   the same state once the stream is idle is;
+5. torchrun's elastic agent with the etcd-v3 rendezvous on a real etcd: the worker crashes at step 25, the
+   agent restarts it, the NCCL group forms again, and the run ends with the straight run's digests
+   (skipped when no etcd binary is found).
 
 Without a CUDA device it prints why and exits 0 (skipped): the CPU suite covers the rest.
 Exit status: 0 all passed or skipped, 1 a check failed.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -83,6 +87,41 @@ def trainer_path(work: Path, checks: Checks) -> None:
                  f"step {saved['step']}, digest {saved['model_digest'][:12]}")
 
 
+def torchrun_restart(work: Path, checks: Checks) -> None:
+    sys.path.insert(0, str(REPO))
+    from chaos.etcd import EtcdProcessError, EtcdServer, find_etcd_binary
+
+    try:
+        binary = find_etcd_binary()
+    except EtcdProcessError as exc:
+        print(f"SKIP  torchrun + etcd-v3 restart on the GPU: {exc}")
+        return
+    server = EtcdServer.create(binary, work / "etcd")
+    server.start()
+    try:
+        run = work / "torchrun"
+        env = {**os.environ, "ELASTIC_DDP_FAULT": "crash:0:25"}
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1",
+             "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={server.endpoint}", "--rdzv-id=gpu-check", str(TRAIN),
+             *COMMON, "--max-steps", "60", "--checkpoint-dir", str(run / "ckpt"), "--log-dir", str(run / "logs")],
+            cwd=REPO, text=True, capture_output=True, timeout=600, check=False, env=env)
+    finally:
+        server.stop()
+    if result.returncode:
+        checks.check("torchrun + etcd-v3: crash, restart, resume on the GPU", False,
+                     f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+        return
+    whole, resumed = events(work / "straight" / "logs", "done")[-1], events(run / "logs", "done")[-1]
+    formed = events(run / "logs", "process_group_formed")
+    restored = events(run / "logs", "resumed")
+    same = (whole["model_digest"], whole["data_digest"]) == (resumed["model_digest"], resumed["data_digest"])
+    checks.check("torchrun + etcd-v3: crash at step 25, restart, NCCL group formed again, straight run's digests",
+                 same and len(formed) >= 2 and all(event["backend"] == "nccl" for event in formed),
+                 f"{len(formed)} groups formed ({', '.join(e['backend'] for e in formed)}), restored "
+                 f"{[(e.get('step'), e.get('source')) for e in restored]}, model {resumed['model_digest'][:12]}")
+
+
 def rescue_rule(checks: Checks) -> None:
     from elastic_ddp.resilience.rescue import LiveState, StepPhase, why_not_kept
 
@@ -117,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.workdir or temporary)
         trainer_path(work, checks)
         rescue_rule(checks)
+        torchrun_restart(work, checks)
     print(f"gpu_check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
     return 1 if checks.failed else 0
 
