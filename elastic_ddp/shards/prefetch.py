@@ -1,0 +1,106 @@
+"""Plan-driven prefetch: fetch ahead exactly the pieces this rank's next steps will read.
+
+The global cursor knows the future: from the committed position, :meth:`ElasticSampler.plan` gives every
+next step, and the sampler's split gives this rank's samples of each at the current world size. A
+:class:`Prefetcher` walks the next ``steps`` steps, maps this rank's samples to the pieces that hold them,
+and has the node's cache fetch the missing ones in order of need, at most ``inflight`` at a time (each holds
+one piece in memory), and at most ``max_bytes`` ahead of the committed position. Whenever the committed
+position moves it plans again from there. After a world-size change the new workers build a new sampler
+and a new prefetcher, so the plan is the new split's from their first step.
+
+A piece a DataLoader worker needs while the prefetcher fetches it is not fetched twice: the worker waits
+on the piece's lock in the cache and then reads the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from elastic_ddp.data import DataPosition, ElasticSampler
+from elastic_ddp.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.01
+"""How often the thread looks whether the committed position moved (a read of one attribute)."""
+
+
+class Prefetcher:
+    """Fetches this rank's next pieces in the background; see the module's docstring."""
+
+    def __init__(self, dataset: Any, sampler: ElasticSampler, *, steps: int = 8, inflight: int = 4,
+                 max_bytes: int = 0) -> None:
+        if steps < 1 or inflight < 1 or max_bytes < 0:
+            raise DataError(f"prefetch needs steps >= 1, inflight >= 1 and max_bytes >= 0 (got {steps}, {inflight}, {max_bytes})")
+        self.dataset, self.sampler = dataset, sampler
+        self.reader = dataset.reader
+        self.steps, self.inflight = steps, inflight
+        self.max_bytes = max_bytes or max(self.reader.index.piece_bytes, self.reader.cache.budget // 4)
+        """Bytes of pieces planned ahead at most (default: a quarter of the cache's budget)."""
+        self.error: BaseException | None = None
+        """The first fetch that failed (the reader raises it again when a worker needs that piece)."""
+        self.planned_pieces = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic_ddp-prefetch", daemon=True)
+
+    def start(self) -> Prefetcher:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def plan(self, position: DataPosition) -> list[tuple[int, int]]:
+        """The ``(shard, piece)`` pairs this rank's next ``steps`` steps from ``position`` read, in order of need,
+        cut at ``max_bytes``."""
+        ranges = []
+        for _ in range(self.steps):
+            plan = self.sampler.plan(position)
+            start, stop = self.sampler.local_share(plan)
+            for sample in self.sampler.global_ids(plan)[start:stop].tolist():
+                ranges.extend(self.dataset.byte_ranges(sample))
+            position = plan.next_position
+        pieces: list[tuple[int, int]] = []
+        total = 0
+        for shard, piece in self.reader.pieces(ranges):
+            start, stop = self.reader.index.piece_range(self.reader.index.shards[shard], piece)
+            total += stop - start
+            if total > self.max_bytes and pieces:
+                break
+            pieces.append((shard, piece))
+        return pieces
+
+    def _run(self) -> None:
+        with ThreadPoolExecutor(max_workers=self.inflight, thread_name_prefix="elastic_ddp-fetch") as pool:
+            position: DataPosition | None = None
+            todo: deque[tuple[int, int]] = deque()
+            running: set[Future[str]] = set()
+            while not self._stop.is_set():
+                if self.sampler.position != position:
+                    position = self.sampler.position
+                    todo = deque(p for p in self.plan(position) if not self.reader.cache.cached(self.reader.piece_key(*p)))
+                    self.planned_pieces += len(todo)
+                running = {future for future in running if not future.done()}
+                while todo and len(running) < self.inflight:
+                    future = pool.submit(self.reader.ensure, *todo.popleft())
+                    future.add_done_callback(self._failed)
+                    running.add(future)
+                self._stop.wait(POLL_S)
+
+    def _failed(self, future: Future[str]) -> None:
+        error = future.exception()
+        if error is not None and self.error is None:
+            self.error = error
+            logger.warning("shard prefetch: %s (a worker that needs the piece will fetch it and raise if it fails again)", error)
