@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -140,6 +141,14 @@ def make_loader(data: Dataset, sampler: ElasticSampler, loader: LoaderConfig, de
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None, pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),
     ))
+
+
+def start_prefetch(data: Dataset, sampler: ElasticSampler) -> AbstractContextManager[Any]:
+    """A shard dataset (:mod:`elastic_ddp.shards`) fetches ahead, in the background, what this rank's next steps
+    read; any other dataset: nothing. Start it after the loader forked its workers (a fork copies no thread)."""
+    from elastic_ddp.shards.dataset import ShardedDataset
+
+    return data.prefetch(sampler) if isinstance(data, ShardedDataset) else nullcontext()
 
 
 @dataclass

@@ -40,7 +40,7 @@ from elastic_ddp.distributed import DistContext
 from elastic_ddp.events import EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import Progress, StepTimer
-from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts
+from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts, start_prefetch
 from elastic_ddp.report import StepReport
 from elastic_ddp.resilience.consistency import check_consistency
 from elastic_ddp.resilience.watchdog import Phase
@@ -139,6 +139,7 @@ class Trainer:
         batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                               seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
+        prefetch = start_prefetch(self.train_data, self.sampler)  # likewise
         self.runtime.begin()
         last_loss: float | None = None
         stop_reason: str | None = None
@@ -164,6 +165,7 @@ class Trainer:
                 self.runtime.save_if_due(decision.save_due)
                 collection.step(counters.step)
         finally:
+            prefetch.__exit__(None, None, None)
             collection.stop()
             progress.close()
             del batches

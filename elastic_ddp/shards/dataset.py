@@ -19,6 +19,7 @@ import bisect
 import os
 import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import fsspec
@@ -48,8 +49,14 @@ class ShardReader:
     workers: each process opens its own filesystem and shares the cache directory."""
 
     def __init__(self, uri: str, *, cache_dir: str = "", cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 storage_options: Mapping[str, Any] | None = None, index: ShardIndex | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, index: ShardIndex | None = None,
+                 prefetch_steps: int = 8, prefetch_inflight: int = 4) -> None:
+        if prefetch_steps < 0 or prefetch_inflight < 1:
+            raise DataError(f"prefetch_steps must be >= 0 and prefetch_inflight >= 1 (got {prefetch_steps}, {prefetch_inflight})")
         self.uri = uri.rstrip("/")
+        self.prefetch_steps = prefetch_steps
+        """Steps ahead whose pieces :meth:`ShardedDataset.prefetch` fetches (0: none)."""
+        self.prefetch_inflight = prefetch_inflight
         self.storage_options = dict(storage_options or {})
         self._fs: fsspec.AbstractFileSystem | None = None
         self._fs_pid = -1
@@ -129,12 +136,19 @@ class ShardedDataset(Dataset):
     def byte_ranges(self, index: int) -> list[ByteRange]:
         raise NotImplementedError
 
-    def prefetch(self, sampler: Any, *, steps: int = 8, inflight: int = 4, max_bytes: int = 0) -> Any:
-        """Start fetching, in the background, the pieces this rank's next ``steps`` steps need (see
-        :class:`~elastic_ddp.shards.prefetch.Prefetcher`); returns it (a context manager; ``close()`` stops it)."""
+    def prefetch(self, sampler: Any, *, steps: int | None = None, inflight: int | None = None,
+                 max_bytes: int = 0) -> AbstractContextManager[Any]:
+        """Start fetching, in the background, the pieces this rank's next ``steps`` steps need (default: the
+        reader's ``prefetch_steps``; 0: nothing is started); see :class:`~elastic_ddp.shards.prefetch.Prefetcher`.
+        Returns a context manager that stops it. The trainer calls this itself; the library path writes
+        ``with dataset.prefetch(sampler):`` around its loop."""
         from elastic_ddp.shards.prefetch import Prefetcher
 
-        return Prefetcher(self, sampler, steps=steps, inflight=inflight, max_bytes=max_bytes).start()
+        steps = self.reader.prefetch_steps if steps is None else steps
+        if steps == 0:
+            return nullcontext()
+        return Prefetcher(self, sampler, steps=steps, inflight=inflight or self.reader.prefetch_inflight,
+                          max_bytes=max_bytes).start()
 
 
 class TokenWindows(ShardedDataset):

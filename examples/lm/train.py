@@ -11,6 +11,8 @@ How to run:
   elastic, etcd v3 rendezvous:    torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 \
                                     --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=lm1 examples/lm/train.py \
                                     --checkpoint-dir /tmp/lm-ckpt --checkpoint-every 50
+  from token shards (any fsspec URI): python examples/lm/shards.py s3://bucket/lm, then add
+                                    --data-shards s3://bucket/lm --loader-num-workers 2
   all flags:                      python examples/lm/train.py --help
 
 Defaults: 4 layers, d_model 256, 4 heads, context 128 bytes (3.3 M parameters), 3 MB of corpus,
@@ -28,6 +30,7 @@ The data position is exact either way.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -39,13 +42,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from corpus import Splits, make_splits
+from corpus import make_splits, unigram_entropy
 from gpt import GPT, parameter_count, parameter_groups
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import default_collate
+from torch.utils.data import Dataset, default_collate
 
 from elastic_ddp.config import OptimConfig, Problems, TrainConfig, config_from_args, not_fingerprinted
 from elastic_ddp.entry import Built, run_training
+from elastic_ddp.shards import ShardReader, TokenWindows
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # examples/, for the shared fault hook
 from faults import faulty_loss
@@ -95,6 +99,18 @@ class CorpusConfig:
     """Validation batches per evaluation (windows evenly spaced over the held-out bytes); 0: all of them."""
     eval_batch_size: int = not_fingerprinted(32)
     """Sequences per validation batch."""
+    shards: str = ""
+    """Train from token shards at this fsspec URI (written by examples/lm/shards.py: train/ and val/, each with its
+    index.json) instead of the local corpus; --data-budget-bytes and --data-val-fraction are then the writer's."""
+    storage_options: str = not_fingerprinted("")
+    """fsspec options for --data-shards as a JSON object (an S3 endpoint_url, ...); credentials are better left to
+    the environment (AWS_ACCESS_KEY_ID, ...), since flags show in process lists."""
+    cache_dir: str = not_fingerprinted("")
+    """The node's shard cache; empty: $ELASTIC_DDP_SHARD_CACHE_DIR, else <temp dir>/elastic_ddp-shards-<uid>."""
+    cache_bytes: int = not_fingerprinted(1 << 30)
+    """Byte budget of the node's shard cache (pieces are evicted least recently used first)."""
+    prefetch_steps: int = not_fingerprinted(8)
+    """With --data-shards: steps ahead whose pieces each rank fetches in the background."""
 
     def problems(self) -> Problems:
         found: Problems = []
@@ -106,6 +122,16 @@ class CorpusConfig:
             found.append(("eval_batches", "must be >= 0 (0: all)"))
         if self.eval_batch_size < 1:
             found.append(("eval_batch_size", "must be >= 1"))
+        if self.storage_options:
+            try:
+                if not isinstance(json.loads(self.storage_options), dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                found.append(("storage_options", "must be a JSON object"))
+        if self.cache_bytes < 1:
+            found.append(("cache_bytes", "must be >= 1"))
+        if self.prefetch_steps < 0:
+            found.append(("prefetch_steps", "must be >= 0 (0: no prefetch)"))
         return found
 
 
@@ -134,7 +160,7 @@ class LMConfig(TrainConfig):
     def problems(self) -> Problems:
         found = super().problems()
         budget, context = self.data.budget_bytes, self.model.context
-        if budget >= 1 and 0.0 < self.data.val_fraction < 0.5 and context >= 1:
+        if budget >= 1 and 0.0 < self.data.val_fraction < 0.5 and context >= 1 and not self.data.shards:
             held_out = math.ceil(budget * self.data.val_fraction)
             train_windows = (budget - held_out - 1) // context
             if held_out <= context:
@@ -164,10 +190,11 @@ def make_optimizer(config: LMConfig) -> Callable[[torch.nn.Module], torch.optim.
     return factory
 
 
-def make_evaluate(config: LMConfig, splits: Splits) -> Callable[[torch.nn.Module, torch.device], dict[str, float]]:
+def make_evaluate(config: LMConfig, val: Dataset,
+                  unigram_nats: float) -> Callable[[torch.nn.Module, torch.device], dict[str, float]]:
     """Mean token loss and perplexity over evenly spaced held-out windows, the same ones every time
     (``--data-eval-batches`` batches of ``--data-eval-batch-size``; 0 batches: the whole held-out split)."""
-    val, batch_size = splits.val, config.data.eval_batch_size
+    batch_size = config.data.eval_batch_size
     wanted = config.data.eval_batches * batch_size
     count = len(val) if wanted == 0 else min(wanted, len(val))
     indices = [i * len(val) // count for i in range(count)]
@@ -181,7 +208,7 @@ def make_evaluate(config: LMConfig, splits: Splits) -> Callable[[torch.nn.Module
                 logits = model(inputs.to(device))
             total += float(lm_loss(logits, targets.to(device)).double().sum())
         loss = total / count
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "unigram_loss": splits.unigram_nats}
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "unigram_loss": unigram_nats}
 
     return evaluate
 
@@ -192,25 +219,43 @@ def autocast(config: LMConfig, device: torch.device) -> torch.autocast:
 
 
 def build(config: LMConfig) -> Built:
-    splits = make_splits(config.data.budget_bytes, config.model.context, config.data.val_fraction)
     model = GPT(vocab_size=VOCAB, context=config.model.context, n_layer=config.model.n_layer,
                 d_model=config.model.d_model, n_head=config.model.n_head, dropout=config.model.dropout)
-    corpus = splits.corpus
+    if config.data.shards:
+        train, val, unigram, fingerprint, source = shard_splits(config)
+    else:
+        splits = make_splits(config.data.budget_bytes, config.model.context, config.data.val_fraction)
+        train, val, unigram, corpus = splits.train, splits.val, splits.unigram_nats, splits.corpus
+        fingerprint = {"corpus_sha256": corpus.sha256}
+        source = (f"corpus {len(corpus.data):,} bytes from {corpus.files} files under {corpus.root} "
+                  f"(sha256 {corpus.sha256[:16]})")
     if os.environ.get("RANK", "0") == "0":
-        logger.info("%s parameters; corpus %s bytes from %d files under %s (sha256 %s); %d training and %d validation "
-                    "windows of %d bytes; unigram baseline %.4f nats", f"{parameter_count(model):,}",
-                    f"{len(corpus.data):,}", corpus.files, corpus.root, corpus.sha256[:16], len(splits.train),
-                    len(splits.val), config.model.context, splits.unigram_nats)
+        logger.info("%s parameters; %s; %d training and %d validation windows of %d bytes; unigram baseline %.4f nats",
+                    f"{parameter_count(model):,}", source, len(train), len(val), config.model.context, unigram)
     return Built(
         model=model,
-        train_data=splits.train,
+        train_data=train,
         eval_data=None,
         loss_fn=faulty_loss(model, base=lm_loss),
         optimizer=make_optimizer(config),
-        evaluate=make_evaluate(config, splits),
-        fingerprint={"corpus_sha256": corpus.sha256},
+        evaluate=make_evaluate(config, val, unigram),
+        fingerprint=fingerprint,
         tokens_per_sample=config.model.context,
     )
+
+
+def shard_splits(config: LMConfig) -> tuple[TokenWindows, TokenWindows, float, dict[str, str], str]:
+    """Training and validation windows of the token shards at --data-shards, read through the node's cache; the
+    training index's digest is the fingerprint (a resume on other shards is refused)."""
+    data = config.data
+    options = json.loads(data.storage_options) if data.storage_options else {}
+    readers = [ShardReader(f"{data.shards.rstrip('/')}/{name}", cache_dir=data.cache_dir, cache_bytes=data.cache_bytes,
+                           storage_options=options, prefetch_steps=data.prefetch_steps) for name in ("train", "val")]
+    train, val = (TokenWindows(reader, config.model.context) for reader in readers)
+    held_out = torch.cat([val[i][0] for i in range(len(val))]).to(torch.uint8) if len(val) else torch.zeros(0)
+    digest = readers[0].index.digest
+    source = f"token shards at {data.shards} ({len(readers[0].index.shards)} training shards, index {digest[:16]})"
+    return train, val, unigram_entropy(held_out), {"shards_index_sha256": digest}, source
 
 
 @record
