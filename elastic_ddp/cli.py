@@ -10,6 +10,11 @@
   elastic-ddp ckpt gc URI [--keep K] [--dry-run]        apply retention: keep the newest K committed,
                                                         remove stale unfinished writes
 
+  elastic-ddp shards index URI [--kind tokens|tar] [--dtype uint16] [--pattern GLOB] [--piece-bytes N]
+                                           read every shard under URI and write URI/index.json
+  elastic-ddp shards verify URI            re-hash every shard against URI/index.json; exit 1 naming
+                                           each shard and piece that does not match
+
   elastic-ddp launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] -- SCRIPT ARGS...
                                            a local elastic run on this machine (embedded etcd)
   elastic-ddp demo                         the recovery demo: kill a worker, preempt a node, report
@@ -240,6 +245,56 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shards_fs(uri: str, options: dict[str, Any]) -> Any:
+    import fsspec
+
+    try:
+        return fsspec.core.url_to_fs(uri, **options)[0]
+    except (ImportError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot open {uri}: {exc}") from exc
+
+
+def cmd_shards_index(args: argparse.Namespace) -> int:
+    from elastic_ddp.shards import build_index
+
+    progress = functools.partial(print, file=sys.stderr, flush=True)
+    index = build_index(args.uri, _shards_fs(args.uri, args.options), kind=args.kind, pattern=args.pattern,
+                        dtype=args.dtype, piece_bytes=args.piece_bytes, progress=progress)
+    unit = "tokens" if index.kind == "tokens" else "samples"
+    count = sum(s.tokens for s in index.shards) if index.kind == "tokens" else sum(len(s.samples) for s in index.shards)
+    print(f"wrote {args.uri.rstrip('/')}/index.json: {len(index.shards)} shards, {index.total_bytes:,} bytes, "
+          f"{count:,} {unit}, index {index.digest[:16]}")
+    return 0
+
+
+def cmd_shards_verify(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from elastic_ddp.shards import load_index
+
+    fs = _shards_fs(args.uri, args.options)
+    index = load_index(args.uri, fs)  # sizes checked here
+    root = fs._strip_protocol(args.uri).rstrip("/")
+    failed = 0
+    for shard in index.shards:
+        whole, bad = hashlib.sha256(), []
+        with fs.open(f"{root}/{shard.name}", "rb") as handle:
+            for number, expected in enumerate(shard.pieces):
+                block = handle.read(index.piece_bytes)
+                whole.update(block)
+                if hashlib.sha256(block).hexdigest() != expected:
+                    bad.append(number)
+        if bad or whole.hexdigest() != shard.sha256:
+            failed += 1
+            print(f"FAIL  {shard.name}: pieces {', '.join(map(str, bad[:10])) or 'none'}"
+                  f"{' …' if len(bad) > 10 else ''} do not match; whole-shard SHA-256 "
+                  f"{'matches' if whole.hexdigest() == shard.sha256 else 'does not match'}")
+        else:
+            print(f"ok    {shard.name} ({shard.bytes:,} bytes, {len(shard.pieces)} pieces)")
+    print(f"{len(index.shards) - failed} of {len(index.shards)} shards match {args.uri.rstrip('/')}/index.json")
+    return 1 if failed else 0
+
+
 def hand_over_to_chaos(command: str, args: Sequence[str]) -> int:
     """Replace this process with ``python -m chaos COMMAND ARGS`` (same interpreter, same signals)."""
     argv = [sys.executable, "-m", "chaos", command, *args]
@@ -290,6 +345,23 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep (default: 3)")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     gc.set_defaults(func=cmd_gc)
+    shards = commands.add_parser("shards", help="build and verify the index of a sharded dataset (elastic_ddp.shards)")
+    shards.add_argument("--storage-options", metavar="JSON", default="", help=options_help)
+    shard_commands = shards.add_subparsers(dest="shards_command", required=True)
+    shard_commands.add_parser = functools.partial(shard_commands.add_parser, parents=[options])  # type: ignore[method-assign]
+    index = shard_commands.add_parser("index", help="read every shard under URI and write URI/index.json")
+    index.add_argument("uri", help="the directory or object-store prefix that holds the shards")
+    index.add_argument("--kind", choices=("tokens", "tar"), default="tokens",
+                       help="tokens: flat little-endian token shards (default); tar: WebDataset-layout tar shards")
+    index.add_argument("--dtype", choices=("uint8", "uint16", "uint32"), default="uint16",
+                       help="the tokens' integer type (tokens only; default uint16)")
+    index.add_argument("--pattern", default="", help="which files are shards (default: *.bin for tokens, *.tar for tar)")
+    index.add_argument("--piece-bytes", type=int, default=4 << 20,
+                       help="the unit a node downloads, caches and verifies (default 4 MiB)")
+    index.set_defaults(func=cmd_shards_index)
+    verify_shards = shard_commands.add_parser("verify", help="re-hash every shard against URI/index.json")
+    verify_shards.add_argument("uri", help="the directory or object-store prefix that holds the shards")
+    verify_shards.set_defaults(func=cmd_shards_verify)
     launch = commands.add_parser("launch", add_help=False,
                                  help="a local elastic run: --nodes MIN:MAX --nproc-per-node N [--etcd HOST:PORT] -- SCRIPT ARGS")
     launch.set_defaults(func=None, chaos_command="launch")

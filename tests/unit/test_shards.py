@@ -312,3 +312,24 @@ def _wait(condition, timeout: float = 30.0) -> None:
                 pytest.fail("condition not met in time")
     finally:
         deadline.cancel()
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+def test_shards_index_and_verify_name_the_shard_and_piece_that_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from elastic_ddp.cli import main
+
+    root = tmp_path / "s"
+    _token_shards(root, (9000, 3000))
+    assert main(["shards", "index", str(root), "--piece-bytes", str(PIECE)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["shards", "verify", str(root)]) == 0
+    with open(root / "train-00000.bin", "r+b") as handle:
+        handle.seek(PIECE * 3 + 5)
+        handle.write(b"\xff")
+    assert main(["shards", "verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  train-00000.bin: pieces 3 do not match" in out and "1 of 2 shards match" in out
+    assert main(["shards", "verify", str(tmp_path / "nothing")]) == 1
+    assert "no index.json; build it once with: elastic-ddp shards index" in capsys.readouterr().err
