@@ -59,6 +59,7 @@ from chaos.verify import (
     parse_agent_log,
     parse_metrics,
     read_checkpoint,
+    read_ledger_facts,
     reference_run,
 )
 from elastic_ddp.events import Event, parse_events, read_events
@@ -371,7 +372,7 @@ class ScenarioRun:
                          ended_at=ended_at, timed_out=self.timed_out, nodes=nodes,
                          faults=[fault.record for fault in self.faults], steps=steps, events=events,
                          commits=list(self.store.commits), final=final, final_error=final_error, reference=reference,
-                         event_problems=problems)
+                         event_problems=problems, ledger=read_ledger_facts(workdir / "logs"))
         if final is not None and {step.world_size for step in steps} != {reference.world_size}:
             facts.weights = compare_weights(final_weights(self.services.checkpoint_uri, self.services.store_options),
                                             final_weights(reference.checkpoint_uri))

@@ -31,7 +31,9 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
 
 :func:`load_scenario` parses and validates; every problem found is reported at once, each
 naming its key (``faults[2].target: ...``). The runner owns some flags of the job
-(:data:`RUNNER_FLAGS`): a scenario that sets one is refused rather than silently overridden.
+(:data:`RUNNER_FLAGS`): a scenario that sets one is refused rather than silently overridden. Every
+scenario's job also writes the sample ledger (:data:`LEDGER_FLAG` is added to its ``args``), which the
+verifier's ``sample-ledger`` check reads.
 """
 
 from __future__ import annotations
@@ -325,6 +327,13 @@ def _parse_goodput(reader: _Reader) -> GoodputFigures:
     return figures
 
 
+LEDGER_FLAG = "--log-sample-ledger"
+"""Added to every scenario's ``job.args``: rank 0 writes ``samples.jsonl`` (elastic_ddp.events.SAMPLES_FILE) to
+``--log-dir``, one line per committed step with its sample ids. :func:`with_script` drops the scenario's args
+with the rest: give the flag in ``--script-args`` when the other script takes it (without a ledger the check is
+skipped)."""
+
+
 def with_script(scenario: Scenario, script: str, args: Sequence[str] = ()) -> Scenario:
     """The scenario training another script: its faults and cluster, ``script`` with ``args`` instead of the
     job's own script and arguments (which belong to that script). The checks are the same."""
@@ -349,6 +358,8 @@ def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:
     path = Path(script) if Path(script).is_absolute() else REPO / script
     if script and not path.is_file():
         problems.append(f"job.script: {script!r} is not a file (relative paths start at {REPO})")
+    if LEDGER_FLAG not in args and "--no-" + LEDGER_FLAG[2:] not in args:  # a scenario may turn it off
+        args += (LEDGER_FLAG,)
     job = JobConfig(script=str(path), args=args, max_steps=reader.integer("max_steps", required=True, minimum=1),
                     checkpoint_every=reader.integer("checkpoint_every", required=True, minimum=1))
     reader.reject_unknown()

@@ -12,6 +12,10 @@ pure function of those facts:
   that should have resumed and has no resume event is a failed run, not one with nothing to check;
 - :func:`fault_metrics` and :func:`goodput` measure recovery.
 
+The sample ledger (``samples.jsonl``, written by rank 0 with ``--log-sample-ledger``) lists every committed
+step's sample ids; :func:`check_ledger` takes each step's last line (the lineage that reached the final model)
+and counts the samples trained on twice and the positions skipped.
+
 The reference is the same job under ``torchrun --standalone`` at the scenario's starting world
 size, without faults, cached by a hash of the job (:func:`reference_run`). It commits a
 checkpoint at the same cadence and keeps them all, so the data digest of every step the chaos
@@ -38,7 +42,7 @@ from typing import Any
 from chaos.cluster import Node
 from chaos.faults import Commit, FaultRecord
 from chaos.scenario import REPO, ChaosError, JobConfig
-from elastic_ddp.events import Event
+from elastic_ddp.events import SAMPLES_FILE, Event, LedgerEntry, read_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,18 @@ class RunFacts:
     weights: WeightComparison | None = None
     event_problems: list[str] = field(default_factory=list)
     """Lines of the events file that are not valid events (or why there is no events file)."""
+    ledger: LedgerFacts | None = None
+    """The job's sample ledger as read back; None: not read (no ``sample-ledger`` check)."""
+
+
+@dataclass(frozen=True)
+class LedgerFacts:
+    """The job's sample ledger: its valid entries in file order and its unreadable lines; ``missing``: why there
+    is none (a script that does not write one), and then nothing else is set."""
+
+    entries: list[LedgerEntry] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +178,9 @@ class Check:
     name: str
     passed: bool
     message: str
+    skipped: bool = False
+    """The check could not be made (its facts are absent; ``message`` says why): neither a pass nor a failure,
+    and it does not fail the run (``passed`` is True so that the verdict stands on the checks that were made)."""
 
 
 # -- events (pure) -----------------------------------------------------------------------------
@@ -267,6 +286,7 @@ def run_checks(facts: RunFacts) -> list[Check]:
         check_data(facts.commits, facts.reference, facts.final),
         check_weights(facts.steps, facts.final, facts.reference, facts.weights),
         check_loads(facts.events, facts.commits, facts.faults, facts.steps),
+        *([check_ledger(facts.ledger, facts.final)] if facts.ledger is not None else []),
     ]
 
 
@@ -346,6 +366,125 @@ def check_data(commits: list[Commit], reference: ReferenceFacts, final: Checkpoi
         return Check("data-digest", False, f"the final checkpoint (step {final.step}) consumed other samples than the reference "
                      f"(data digest {final.data_digest[:12]}… != {reference.final.data_digest[:12]}…)")
     return Check("data-digest", True, f"{len(compared)} checkpoints up to step {good} match the reference's data digests")
+
+
+def final_lineage(entries: Iterable[LedgerEntry]) -> dict[int, LedgerEntry]:
+    """Step -> the last line written for it (``entries`` in file order): a step redone after a restart is
+    written again, and its last execution is the one that reached the final model."""
+    return {entry.step: entry for entry in entries}
+
+
+@dataclass(frozen=True)
+class LedgerAudit:
+    """Steps ``1..final`` of a ledger's final lineage, counted."""
+
+    steps: int
+    """Steps that have a line."""
+    samples: int
+    duplicates: int
+    """Sample ids seen again in the same epoch (each repeat counts once)."""
+    gaps: int
+    """Steps without a line, and steps whose positions do not continue the previous step's."""
+    findings: list[str]
+    """What each duplicate and gap is, in step order, naming the step."""
+    lineage: list[LedgerEntry]
+    """The entries of steps 1..final, in step order."""
+
+
+def audit_ledger(entries: Iterable[LedgerEntry], final_step: int) -> LedgerAudit:
+    """Duplicates and gaps in the final lineage of steps ``1..final_step``.
+
+    Positions must be contiguous: step 1 starts at epoch 0, position 0; each later step starts where the
+    previous one stopped in the same epoch, or at position 0 of the next epoch (an epoch's tail that
+    ``drop_last`` skips is not a gap: the ledger does not know the dataset's size). Every line holds
+    ``stop - start`` ids (:func:`elastic_ddp.events.check_ledger_record`), so with contiguous positions and no
+    id repeated within an epoch, the ids of each epoch's covered prefix are exactly as many distinct samples
+    as positions covered."""
+    lineage = final_lineage(entries)
+    findings: list[str] = []
+    duplicates = gaps = samples = 0
+    first_seen: dict[int, dict[int, int]] = {}  # epoch -> sample id -> the step that held it first
+    kept: list[LedgerEntry] = []
+    previous: LedgerEntry | None = None
+    for step in range(1, final_step + 1):
+        entry = lineage.get(step)
+        if entry is None:
+            gaps += 1
+            findings.append(f"step {step}: no line in the ledger")
+            previous = None
+            continue
+        problem = _discontinuity(previous, entry) if previous is not None or step == 1 else ""
+        if problem:
+            gaps += 1
+            findings.append(f"step {step}: {problem}")
+        seen = first_seen.setdefault(entry.epoch, {})
+        for sample in entry.ids:
+            if sample in seen:
+                duplicates += 1
+                findings.append(f"step {step}: sample {sample} of epoch {entry.epoch} was already in step {seen[sample]}")
+            else:
+                seen[sample] = step
+        samples += len(entry.ids)
+        kept.append(entry)
+        previous = entry
+    return LedgerAudit(len(kept), samples, duplicates, gaps, findings, kept)
+
+
+def _discontinuity(previous: LedgerEntry | None, entry: LedgerEntry) -> str:
+    """Why ``entry``'s positions do not continue ``previous``'s (None: the run's first step), or ""."""
+    here = f"positions [{entry.start}, {entry.stop}) of epoch {entry.epoch}"
+    if previous is None:
+        return "" if (entry.epoch, entry.start) == (0, 0) else f"the first step holds {here}, not the run's beginning"
+    if entry.epoch == previous.epoch and entry.start != previous.stop:
+        return f"{here} after step {previous.step}'s [{previous.start}, {previous.stop})"
+    if entry.epoch == previous.epoch + 1 and entry.start != 0:
+        return f"a new epoch begins at {here}, not at position 0"
+    if entry.epoch not in (previous.epoch, previous.epoch + 1):
+        return f"{here} after step {previous.step} in epoch {previous.epoch}"
+    return ""
+
+
+def ledger_digest(lineage: Iterable[LedgerEntry]) -> str:
+    """The data digest the steps of ``lineage`` chain to (:func:`elastic_ddp.data.update_data_digest`)."""
+    import torch
+
+    from elastic_ddp.data import EMPTY_DATA_DIGEST, update_data_digest
+
+    digest = EMPTY_DATA_DIGEST
+    for entry in lineage:
+        digest = update_data_digest(digest, torch.tensor(entry.ids, dtype=torch.int64))
+    return digest
+
+
+def check_ledger(ledger: LedgerFacts, final: CheckpointFacts | None) -> Check:
+    """The samples that went into the final model, from the sample ledger: steps 1 to the final checkpoint's
+    (each step's last line) hold no sample twice in an epoch and skip no position, and chain to the final
+    checkpoint's data digest (the ledger describes the data the checkpoint recorded). Lines that are not valid
+    entries are named; a crash may cut the last line of an attempt short, and its step is redone. No ledger:
+    skipped."""
+    name = "sample-ledger"
+    if ledger.missing:
+        return Check(name, True, f"skipped: {ledger.missing}", skipped=True)
+    final_step = final.step if final is not None else max((entry.step for entry in ledger.entries), default=0)
+    unreadable = ""
+    if ledger.problems:
+        more = f" (and {len(ledger.problems) - 2} more)" if len(ledger.problems) > 2 else ""
+        unreadable = f"; {len(ledger.problems)} unreadable line(s) not used: {'; '.join(ledger.problems[:2])}{more}"
+    if final_step == 0:
+        return Check(name, False, "the sample ledger holds no step" + unreadable)
+    audit = audit_ledger(ledger.entries, final_step)
+    counts = (f"ledger: {audit.samples:,} samples in {audit.steps} steps, {audit.duplicates} duplicates, "
+              f"{audit.gaps} gaps")
+    if audit.duplicates or audit.gaps:
+        more = f" (and {len(audit.findings) - 3} more)" if len(audit.findings) > 3 else ""
+        return Check(name, False, f"{counts}: {'; '.join(audit.findings[:3])}{more}{unreadable}")
+    if final is None:
+        return Check(name, False, f"{counts} up to step {final_step}, but no final checkpoint to tie it to{unreadable}")
+    chained = ledger_digest(audit.lineage)
+    if chained != final.data_digest:
+        return Check(name, False, f"{counts}, but steps 1-{final_step} chain to data digest {chained[:12]}…, not the "
+                     f"final checkpoint's {final.data_digest[:12]}…{unreadable}")
+    return Check(name, True, f"{counts}; steps 1-{final_step} chain to the final checkpoint's data digest{unreadable}")
 
 
 def check_weights(steps: list[StepRecord], final: CheckpointFacts | None, reference: ReferenceFacts,
@@ -705,6 +844,16 @@ def read_checkpoint(uri: str, options: dict[str, Any] | None = None) -> Checkpoi
     model = deserialize(data[manifest.replicated_file], newest.path)["model"]
     return CheckpointFacts(path=newest.path, step=manifest.step, world_size=manifest.world_size,
                            model_digest=model_digest(model), data_digest=manifest.data_digest)
+
+
+def read_ledger_facts(log_dir: Path) -> LedgerFacts:
+    """The job's sample ledger in ``log_dir``, or why there is none."""
+    read = read_ledger(log_dir)
+    if read is None:
+        return LedgerFacts(missing=f"no {SAMPLES_FILE} in {log_dir}: the job wrote no sample ledger (a script "
+                           "without --log-sample-ledger)")
+    entries, problems = read
+    return LedgerFacts(entries, problems)
 
 
 def data_digests(uri: str, options: dict[str, Any] | None = None) -> dict[int, str]:

@@ -298,6 +298,10 @@ class LogConfig:
     tensorboard: bool = False
     """Rank 0 also writes metrics.jsonl's scalars, and a marker at each resume and fresh start, as TensorBoard
     events under <log-dir>/tensorboard. Needs --log-dir and the tensorboard package (pip install 'elastic-ddp[tensorboard]')."""
+    sample_ledger: bool = False
+    """Rank 0 appends one line per committed step to <log-dir>/samples.jsonl: the step, its epoch and positions
+    in the epoch's permutation, the world size and the step's global sample ids, so a verifier can show that no
+    sample was trained on twice or skipped across restarts. Needs --log-dir. Training is unchanged."""
 
     def problems(self) -> Problems:
         found: Problems = []
@@ -307,6 +311,8 @@ class LogConfig:
             found.append(("per_rank_files", "needs --log-dir"))
         if self.tensorboard and not self.dir:
             found.append(("tensorboard", "needs --log-dir"))
+        if self.sample_ledger and not self.dir:
+            found.append(("sample_ledger", "needs --log-dir"))
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             found.append(("tensorboard", "the tensorboard package is not installed: pip install 'elastic-ddp[tensorboard]'"))
         if self.dir and os.path.exists(self.dir) and not os.path.isdir(self.dir):

@@ -160,6 +160,9 @@ class ElasticSampler:
         # The loader's iterator may run an epoch ahead of the trainer: keep the two newest epochs.
         self._permutations: dict[int, torch.Tensor] = {}
         self._micro_batches: tuple[StepPlan, list[list[int]]] | None = None
+        self.last_commit: StepPlan | None = None
+        """The plan of the newest :meth:`commit` of this process (None before the first): the runtime's sample
+        ledger records it at the step boundary."""
 
     # -- state -----------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class ElasticSampler:
         self.data_digest = update_data_digest(self.data_digest, self.global_ids(plan))
         self.samples_seen += plan.size
         self.position = plan.next_position
+        self.last_commit = plan
 
     def loss_scale(self, plan: StepPlan) -> float:
         """Multiply this rank's *summed* per-sample losses of the step by this before ``backward()``:

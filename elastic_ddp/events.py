@@ -20,6 +20,12 @@ processes may append to the same file: on a local Linux file system the kernel a
 (NFS) do not promise that: give each node its own ``--log-dir`` there. Without a log directory
 an :class:`EventLog` writes nothing (as ``metrics.jsonl`` is not written).
 
+The sample ledger (``--log-sample-ledger``; docs/design.md, "Data cursor") is the log directory's other file
+for programs: rank 0 appends one :class:`LedgerEntry` per committed step to ``<log_dir>/samples.jsonl``
+(:class:`SampleLedger`), the same way, one ``os.write`` per line; restarts append to the same file, so a
+step redone after a restart appears again and its last line is the one that reached the final model.
+:func:`read_ledger` reports every line that is not a valid entry instead of failing.
+
 No heavy imports: the checkpoint and resilience packages use it.
 """
 
@@ -31,7 +37,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_ddp.prefork import agent_pid
@@ -148,6 +155,8 @@ class EventLog:
     """
 
     def __init__(self, log_dir: str, *, run_id: str, rank: int) -> None:
+        self.log_dir = log_dir
+        """The run's log directory ("" when nothing is written); the sample ledger goes there too."""
         self.path = os.path.join(log_dir, EVENTS_FILE) if log_dir else ""
         self.run_id = run_id
         self.rank = rank
@@ -271,3 +280,128 @@ def read_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], 
             return parse_events(handle)
     except FileNotFoundError:
         return [], [f"{path}: no such file"]
+
+
+# -- the sample ledger ------------------------------------------------------------------------
+
+SAMPLES_FILE = "samples.jsonl"
+"""The sample ledger's name under the log directory."""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One committed step in the sample ledger: positions ``[start, stop)`` of epoch ``epoch``'s permutation,
+    at ``world_size``, and the step's global sample ids, sorted (``stop - start`` of them)."""
+
+    step: int
+    epoch: int
+    start: int
+    stop: int
+    world_size: int
+    ids: tuple[int, ...]
+    line: int = 0
+    """Its line in the file (from 1; 0: not read from a file)."""
+
+
+class SampleLedger:
+    """Rank 0's writer of ``<log_dir>/samples.jsonl``: one line per committed step.
+
+    Each line is one ``os.write`` on an ``O_APPEND`` descriptor, not a buffer flushed at checkpoints: a resume
+    may start from a survivor's live state of a step no checkpoint holds (the rescue), after rank 0 was killed,
+    and a buffered tail lost with it would read as a gap. A line cut short by a crash is ended with a newline
+    when the next launch opens the file, so it costs that line only. A failure to write is logged once and
+    training goes on (the verifier then finds the steps missing).
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        self.path = os.path.join(log_dir, SAMPLES_FILE)
+        self._failed = False
+        os.makedirs(log_dir, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            self._write(b"\n")  # the previous launch died in the middle of a line
+
+    def record(self, step: int, epoch: int, start: int, stop: int, world_size: int, ids: Sequence[int]) -> None:
+        """Append the line of one committed step (``ids``: its global sample ids, sorted)."""
+        if self._fd is None:
+            return
+        line = {"time": time.time(), "step": step, "epoch": epoch, "start": start, "stop": stop,
+                "world_size": world_size, "ids": list(ids)}
+        self._write((json.dumps(line, separators=(",", ":")) + "\n").encode())
+
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                logger.warning("cannot append to the sample ledger %s: %s; its further lines are lost", self.path, exc)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+_LEDGER_INTS = ("step", "epoch", "start", "stop", "world_size")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_ledger_record(record: Any) -> str | None:
+    """Why ``record`` (a parsed line) is not a valid ledger entry, or None when it is."""
+    if not isinstance(record, dict):
+        return f"not a JSON object but {type(record).__name__}"
+    missing = [name for name in (*_LEDGER_INTS, "ids") if name not in record]
+    if missing:
+        return f"without {', '.join(missing)}"
+    bad = [name for name in _LEDGER_INTS if not _is_int(record[name])]
+    if bad:
+        return f"{', '.join(bad)} not an integer"
+    if record["step"] < 1 or record["epoch"] < 0 or record["world_size"] < 1:
+        return f"step {record['step']}, epoch {record['epoch']}, world_size {record['world_size']}: out of range"
+    if not 0 <= record["start"] < record["stop"]:
+        return f"positions [{record['start']}, {record['stop']}) are not a non-empty range"
+    ids = record["ids"]
+    if not isinstance(ids, list) or not all(_is_int(value) and value >= 0 for value in ids):
+        return "ids is not a list of sample ids (integers >= 0)"
+    if len(ids) != record["stop"] - record["start"]:
+        return f"{len(ids)} ids for {record['stop'] - record['start']} positions [{record['start']}, {record['stop']})"
+    if any(later < earlier for earlier, later in zip(ids, ids[1:])):
+        return "ids are not sorted"
+    return None
+
+
+def parse_ledger(lines: Iterable[str]) -> tuple[list[LedgerEntry], list[str]]:
+    """The valid entries among ``lines``, in file order, and one problem per line that is not one (from 1)."""
+    entries, problems = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            problems.append(f"line {number}: not JSON ({exc}): {line[:80]!r}")
+            continue
+        problem = check_ledger_record(record)
+        if problem:
+            step = f" (step {record['step']!r})" if isinstance(record, dict) and "step" in record else ""
+            problems.append(f"line {number}{step}: {problem}")
+            continue
+        entries.append(LedgerEntry(step=record["step"], epoch=record["epoch"], start=record["start"], stop=record["stop"],
+                                   world_size=record["world_size"], ids=tuple(record["ids"]), line=number))
+    return entries, problems
+
+
+def read_ledger(log_dir: str | os.PathLike[str]) -> tuple[list[LedgerEntry], list[str]] | None:
+    """The entries of ``<log_dir>/samples.jsonl`` (see :func:`parse_ledger`); None when there is no such file."""
+    try:
+        with open(os.path.join(log_dir, SAMPLES_FILE), encoding="utf-8", errors="replace") as handle:
+            return parse_ledger(handle)
+    except FileNotFoundError:
+        return None

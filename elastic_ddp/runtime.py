@@ -2,9 +2,9 @@
 
 :class:`Runtime` owns everything a worker needs besides the step itself: stop requests (signals, spot
 notices), the hang watchdog, the stop agreement, the group watch, checkpoints (manager and background
-saver), node-memory replicas, the rescue of a survivor's live state, and the exit status. The trainer
-(:class:`elastic_ddp.trainer.Trainer`) is a step engine on top of it; a hand-written loop uses it
-directly (the library path, ``examples/byo_loop/train.py``)::
+saver), node-memory replicas, the rescue of a survivor's live state, the sample ledger, and the exit
+status. The trainer (:class:`elastic_ddp.trainer.Trainer`) is a step engine on top of it; a hand-written
+loop uses it directly (the library path, ``examples/byo_loop/train.py``)::
 
     with Runtime(state, checkpoint=CheckpointConfig(dir="/ckpt", every=20), events=events) as runtime:
         step = runtime.restore()
@@ -45,7 +45,7 @@ from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_optio
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv, cpu_group, shares_agent_store
 from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
-from elastic_ddp.events import Event, EventLog
+from elastic_ddp.events import Event, EventLog, SampleLedger
 from elastic_ddp.logs import main_only
 from elastic_ddp.prefork import agent_identity
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
@@ -138,6 +138,8 @@ class Runtime:
         collective_timeout_s: the timeout of the runtime's own CPU process groups.
         events: where the run's events go (resumed, committed, stop agreed, exit, ...).
         rank_log_file: where the watchdog also writes the stacks of a hang.
+        sample_ledger: rank 0 also appends each committed step's sample ids to ``samples.jsonl`` in the events'
+            log directory (``--log-sample-ledger``; needs one).
     """
 
     def __init__(
@@ -149,17 +151,21 @@ class Runtime:
         collective_timeout_s: float = 600.0,
         events: EventLog | None = None,
         rank_log_file: str = "",
+        sample_ledger: bool = False,
     ) -> None:
         self.state = state
         self.checkpoint = checkpoint or CheckpointConfig()
         self.resilience = resilience or ResilienceConfig()
+        self.events = events or EventLog.off()
         problems = [f"{section}.{name}: {what}" for section, config in (("checkpoint", self.checkpoint),
                                                                       ("resilience", self.resilience))
                     for name, what in config.problems()]
+        if sample_ledger and not self.events.log_dir:
+            problems.append("log.sample_ledger: needs a log directory (--log-dir; the library path: open_events(log_dir))")
         if problems:
             raise ConfigError("; ".join(problems))
+        self.sample_ledger = sample_ledger
         self.collective_timeout_s = collective_timeout_s
-        self.events = events or EventLog.off()
         self.rank_log_file = rank_log_file
         self.rank, self.world_size = _world()
         self.env = LaunchEnv.from_env()
@@ -173,6 +179,8 @@ class Runtime:
         self.checkpoints: CheckpointManager | None = None
         self.background: AsyncCheckpointer | None = None
         self.replicas: Replicas | None = None
+        self.ledger: SampleLedger | None = None
+        """Rank 0's writer of the sample ledger, when it is asked for."""
         self._hooks: list[Any] = []
         self._rng_at_start = ""
         self._restored = False
@@ -203,16 +211,18 @@ class Runtime:
         resilience: ResilienceConfig | None = None,
         collective_timeout_s: float = 600.0,
         events: EventLog | None = None,
+        sample_ledger: bool = False,
     ) -> Runtime:
         """The runtime of a hand-written loop (the library path): call on every rank after the process group
         is formed, and enter it with ``with``. ``model``: the module itself, not its DDP wrapper.
         ``fingerprint``: values a checkpoint must match to be resumed (model shape, data settings...), JSON.
         ``seed``: RNG streams are derived from it when a resume changes the world size. ``state``: other
-        ``Stateful`` objects saved with the model (rank 0's copy)."""
+        ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0 appends each committed
+        step's sample ids to ``samples.jsonl`` in ``events``' log directory (docs/design.md, "Data cursor")."""
         train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
                                  extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
         runtime = cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,
-                      events=events)
+                      events=events, sample_ledger=sample_ledger)
         runtime._announce = True
         return runtime
 
@@ -254,6 +264,8 @@ class Runtime:
         if self.checkpoints is not None and self.checkpoint.async_save:
             self.background = AsyncCheckpointer(self.checkpoints)
         self.replicas = self._make_replicas()
+        if self.sample_ledger and self.rank == 0:
+            self.ledger = SampleLedger(self.events.log_dir)
         self._track_step_phase()
 
     def _make_watchdog(self) -> Watchdog:
@@ -364,6 +376,9 @@ class Runtime:
                     part.close()
             if getattr(self, "stop", None) is not None:
                 self.stop.restore_signal_handlers()
+            if self.ledger is not None:
+                self.ledger.close()
+                self.ledger = None
             self.background = self.replicas = self.checkpoints = None
 
     # -- resume ------------------------------------------------------------------
@@ -436,7 +451,8 @@ class Runtime:
         self._require_restored("after_step")
         self.phase = StepPhase.BETWEEN
         step = self.state.counters.step
-        self._check_data_moved(step)
+        if self._check_data_moved(step):
+            self._record_samples(step)
         self.events.set_step(step)
         self._typical_step_s = step_time if not self._typical_step_s else 0.9 * self._typical_step_s + 0.1 * step_time
         every_s = self.checkpoint.every_seconds
@@ -455,8 +471,9 @@ class Runtime:
         if not self._restored:
             raise UsageError(f"runtime.{call}() before runtime.restore(): restore (or start fresh) first, then train")
 
-    def _check_data_moved(self, step: int) -> None:
-        """Refuse a step that consumed no data: its checkpoint would record a position that a resume replays."""
+    def _check_data_moved(self, step: int) -> bool:
+        """Refuse a step that consumed no data: its checkpoint would record a position that a resume replays.
+        True when steps were done since the last boundary."""
         last_step, last_samples = self._boundary
         samples = self.state.sampler.samples_seen
         if step > last_step and samples == last_samples:
@@ -464,6 +481,17 @@ class Runtime:
                              "sampler.commit(plan) after each optimizer step, or a resume would replay data already "
                              "trained on")
         self._boundary = (step, samples)
+        return step > last_step
+
+    def _record_samples(self, step: int) -> None:
+        """Rank 0: the step's line in the sample ledger, from the sampler's newest commit. Written at the boundary,
+        before the stop agreement and any save, so every step a checkpoint, replica or rescue holds has its line."""
+        sampler = self.state.sampler
+        plan = sampler.last_commit
+        if self.ledger is None or plan is None:
+            return
+        ids = torch.sort(sampler.global_ids(plan)).values.tolist()
+        self.ledger.record(step, plan.epoch, plan.start, plan.stop, self.world_size, ids)
 
     def _raise_agreed_save_failure(self) -> None:
         """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
