@@ -114,8 +114,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| check | result | detail |",
         "|---|---|---|",
-        *(f"| {check['name']} | {'pass' if check['passed'] else 'FAIL'} | {_cell(check['message'])} |"
-          for check in report["checks"]),
+        *(f"| {check['name']} | {_verdict(check)} | {_cell(check['message'])} |" for check in report["checks"]),
         "",
         "| fault | fired (s) | target | detect (s) | agents rdzv (s) | process group (s) | first step (s) "
         "| longest stall (s) | steps redone | world after | notes |",
@@ -210,3 +209,7 @@ def _mark_fault(rate_axis: Any, world_axis: Any, fault: dict[str, Any]) -> None:
             axis.axvspan(start, start + fault["first_step_s"], color="tab:red", alpha=0.12)
     rate_axis.annotate(fault["kind"], (start, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
                        va="top", ha="right", color="tab:red")
+
+
+def _verdict(check: dict[str, Any]) -> str:
+    return "skip" if check.get("skipped") else "pass" if check["passed"] else "FAIL"

@@ -105,6 +105,7 @@ class Trainer:
             self.state, checkpoint=self.config.checkpoint, resilience=self.config.resilience,
             collective_timeout_s=self.config.dist.collective_timeout_s, events=self.events,
             rank_log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
+            sample_ledger=log.sample_ledger,
         )
 
     # -- the loop ----------------------------------------------------------------

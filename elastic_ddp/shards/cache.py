@@ -61,13 +61,13 @@ class CacheStats:
 
 
 class ShardCache:
-    """Pieces under ``root``, at most ``budget_bytes`` in all (see the module's docstring)."""
+    """Pieces under ``root``, at most ``limit_bytes`` in all (see the module's docstring)."""
 
-    def __init__(self, root: str | os.PathLike[str], budget_bytes: int) -> None:
-        if budget_bytes < 1:
-            raise DataError(f"shard cache budget must be >= 1 byte, got {budget_bytes}")
+    def __init__(self, root: str | os.PathLike[str], limit_bytes: int) -> None:
+        if limit_bytes < 1:
+            raise DataError(f"shard cache budget must be >= 1 byte, got {limit_bytes}")
         self.root = Path(root)
-        self.budget = budget_bytes
+        self.budget = limit_bytes
         self.stats = CacheStats()
         for name in (_LOCKS, _PARTIAL, _RESERVED):
             (self.root / name).mkdir(parents=True, exist_ok=True)

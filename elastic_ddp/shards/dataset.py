@@ -16,8 +16,11 @@ and both can prefetch what this rank's next steps need (:mod:`elastic_ddp.shards
 from __future__ import annotations
 
 import bisect
+import itertools
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -30,6 +33,8 @@ from torch.utils.data import Dataset
 from elastic_ddp.errors import DataError
 from elastic_ddp.shards.cache import ShardCache
 from elastic_ddp.shards.index import ShardIndex, load_index, window_counts
+
+logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "ELASTIC_DDP_SHARD_CACHE_DIR"
 DEFAULT_CACHE_BYTES = 8 << 30
@@ -50,13 +55,17 @@ class ShardReader:
 
     def __init__(self, uri: str, *, cache_dir: str = "", cache_bytes: int = DEFAULT_CACHE_BYTES,
                  storage_options: Mapping[str, Any] | None = None, index: ShardIndex | None = None,
-                 prefetch_steps: int = 8, prefetch_inflight: int = 4) -> None:
+                 prefetch_steps: int = 8, prefetch_inflight: int = 4, read_timeout_s: float = 300.0) -> None:
         if prefetch_steps < 0 or prefetch_inflight < 1:
             raise DataError(f"prefetch_steps must be >= 0 and prefetch_inflight >= 1 (got {prefetch_steps}, {prefetch_inflight})")
         self.uri = uri.rstrip("/")
         self.prefetch_steps = prefetch_steps
         """Steps ahead whose pieces :meth:`ShardedDataset.prefetch` fetches (0: none)."""
         self.prefetch_inflight = prefetch_inflight
+        self.read_timeout_s = read_timeout_s
+        """How long a read from storage is retried (with backoff) before it fails: an outage costs time, not the run."""
+        self.read_retries = 0
+        """Reads from storage this process retried."""
         self.storage_options = dict(storage_options or {})
         self._fs: fsspec.AbstractFileSystem | None = None
         self._fs_pid = -1
@@ -89,10 +98,25 @@ class ShardReader:
                                   lambda: self._fetch(path, start, stop)))
 
     def _fetch(self, path: str, start: int, stop: int) -> bytes:
-        try:
-            return bytes(self.fs.cat_file(path, start=start, end=stop))
-        except FileNotFoundError as exc:
-            raise DataError(f"shard {path} is gone from storage") from exc
+        deadline, delay = time.monotonic() + self.read_timeout_s, 0.1
+        for attempt in itertools.count(1):
+            try:
+                return bytes(self.fs.cat_file(path, start=start, end=stop))
+            except FileNotFoundError as exc:
+                raise DataError(f"shard {path} is gone from storage") from exc
+            except PermissionError as exc:
+                raise DataError(f"shard {path}: access denied ({exc})") from exc
+            except Exception as exc:  # transports raise many kinds (OSError, botocore's, aiohttp's)
+                if time.monotonic() + delay > deadline:
+                    raise DataError(f"reading bytes {start}-{stop} of shard {path} failed for {self.read_timeout_s:.0f} s "
+                                    f"({attempt} attempts): {type(exc).__name__}: {exc}") from exc
+                self.read_retries += 1
+                if attempt == 1 or attempt % 10 == 0:
+                    logger.warning("reading bytes %d-%d of shard %s failed (attempt %d: %s: %s); retrying for up to "
+                                   "%.0f s", start, stop, path, attempt, type(exc).__name__, exc, deadline - time.monotonic())
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        raise AssertionError("not reached")
 
     def read(self, shard: int, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of a shard, from verified pieces."""

@@ -64,6 +64,7 @@ class TrainingConfig:
     resilience_spot_notice_url: str = ""  # poll this (or 'aws', 'gcp') for a spot notice; one stops the job at an agreed step
     resilience_spot_poll_interval_s: float = 5.0
     log_dir: str = ""  # events.jsonl (resumed, committed, stop agreed, exit...) and metrics.jsonl go here
+    log_sample_ledger: bool = False  # rank 0 appends each committed step's sample ids to <log-dir>/samples.jsonl
     lr_decay_every: int = 100  # StepLR: the learning rate drops 0.3x every this many steps
 
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Runtime.for_loop(
         model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
         scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
+        sample_ledger=config.log_sample_ledger,
         checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every, keep=config.checkpoint_keep,
                                     storage_options=config.checkpoint_storage_options,
                                     replica_every=config.checkpoint_replica_every),

@@ -1,7 +1,7 @@
 """Write the LM example's corpus as token shards to any fsspec URI (local, s3://, ...), with their indexes.
 
     python examples/lm/shards.py s3://bucket/lm-corpus --shard-bytes 262144
-    python examples/lm/train.py --data-shards s3://bucket/lm-corpus --loader-num-workers 2 ...
+    python examples/lm/train.py --data-shards-uri s3://bucket/lm-corpus --loader-num-workers 2 ...
 
 The corpus is examples/lm/corpus.py's (the stdlib's bytes, ``--budget-bytes`` of them); its last
 ``--val-fraction`` is held out. Each byte is one token (uint8). Layout under the URI::

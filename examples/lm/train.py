@@ -12,7 +12,7 @@ How to run:
                                     --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=lm1 examples/lm/train.py \
                                     --checkpoint-dir /tmp/lm-ckpt --checkpoint-every 50
   from token shards (any fsspec URI): python examples/lm/shards.py s3://bucket/lm, then add
-                                    --data-shards s3://bucket/lm --loader-num-workers 2
+                                    --data-shards-uri s3://bucket/lm --loader-num-workers 2
   all flags:                      python examples/lm/train.py --help
 
 Defaults: 4 layers, d_model 256, 4 heads, context 128 bytes (3.3 M parameters), 3 MB of corpus,
@@ -99,18 +99,18 @@ class CorpusConfig:
     """Validation batches per evaluation (windows evenly spaced over the held-out bytes); 0: all of them."""
     eval_batch_size: int = not_fingerprinted(32)
     """Sequences per validation batch."""
-    shards: str = ""
+    shards_uri: str = ""
     """Train from token shards at this fsspec URI (written by examples/lm/shards.py: train/ and val/, each with its
     index.json) instead of the local corpus; --data-budget-bytes and --data-val-fraction are then the writer's."""
-    storage_options: str = not_fingerprinted("")
-    """fsspec options for --data-shards as a JSON object (an S3 endpoint_url, ...); credentials are better left to
+    shards_options: str = not_fingerprinted("")
+    """fsspec options for --data-shards-uri as a JSON object (an S3 endpoint_url, ...); credentials are better left to
     the environment (AWS_ACCESS_KEY_ID, ...), since flags show in process lists."""
-    cache_dir: str = not_fingerprinted("")
+    shards_cache_dir: str = not_fingerprinted("")
     """The node's shard cache; empty: $ELASTIC_DDP_SHARD_CACHE_DIR, else <temp dir>/elastic_ddp-shards-<uid>."""
-    cache_bytes: int = not_fingerprinted(1 << 30)
+    shards_cache_bytes: int = not_fingerprinted(1 << 30)
     """Byte budget of the node's shard cache (pieces are evicted least recently used first)."""
-    prefetch_steps: int = not_fingerprinted(8)
-    """With --data-shards: steps ahead whose pieces each rank fetches in the background."""
+    shards_prefetch_steps: int = not_fingerprinted(8)
+    """With --data-shards-uri: steps ahead whose pieces each rank fetches in the background."""
 
     def problems(self) -> Problems:
         found: Problems = []
@@ -122,16 +122,16 @@ class CorpusConfig:
             found.append(("eval_batches", "must be >= 0 (0: all)"))
         if self.eval_batch_size < 1:
             found.append(("eval_batch_size", "must be >= 1"))
-        if self.storage_options:
+        if self.shards_options:
             try:
-                if not isinstance(json.loads(self.storage_options), dict):
+                if not isinstance(json.loads(self.shards_options), dict):
                     raise ValueError("not an object")
             except ValueError:
-                found.append(("storage_options", "must be a JSON object"))
-        if self.cache_bytes < 1:
-            found.append(("cache_bytes", "must be >= 1"))
-        if self.prefetch_steps < 0:
-            found.append(("prefetch_steps", "must be >= 0 (0: no prefetch)"))
+                found.append(("shards_options", "must be a JSON object"))
+        if self.shards_cache_bytes < 1:
+            found.append(("shards_cache_bytes", "must be >= 1"))
+        if self.shards_prefetch_steps < 0:
+            found.append(("shards_prefetch_steps", "must be >= 0 (0: no prefetch)"))
         return found
 
 
@@ -160,7 +160,7 @@ class LMConfig(TrainConfig):
     def problems(self) -> Problems:
         found = super().problems()
         budget, context = self.data.budget_bytes, self.model.context
-        if budget >= 1 and 0.0 < self.data.val_fraction < 0.5 and context >= 1 and not self.data.shards:
+        if budget >= 1 and 0.0 < self.data.val_fraction < 0.5 and context >= 1 and not self.data.shards_uri:
             held_out = math.ceil(budget * self.data.val_fraction)
             train_windows = (budget - held_out - 1) // context
             if held_out <= context:
@@ -221,7 +221,7 @@ def autocast(config: LMConfig, device: torch.device) -> torch.autocast:
 def build(config: LMConfig) -> Built:
     model = GPT(vocab_size=VOCAB, context=config.model.context, n_layer=config.model.n_layer,
                 d_model=config.model.d_model, n_head=config.model.n_head, dropout=config.model.dropout)
-    if config.data.shards:
+    if config.data.shards_uri:
         train, val, unigram, fingerprint, source = shard_splits(config)
     else:
         splits = make_splits(config.data.budget_bytes, config.model.context, config.data.val_fraction)
@@ -245,16 +245,17 @@ def build(config: LMConfig) -> Built:
 
 
 def shard_splits(config: LMConfig) -> tuple[TokenWindows, TokenWindows, float, dict[str, str], str]:
-    """Training and validation windows of the token shards at --data-shards, read through the node's cache; the
+    """Training and validation windows of the token shards at --data-shards-uri, read through the node's cache; the
     training index's digest is the fingerprint (a resume on other shards is refused)."""
     data = config.data
-    options = json.loads(data.storage_options) if data.storage_options else {}
-    readers = [ShardReader(f"{data.shards.rstrip('/')}/{name}", cache_dir=data.cache_dir, cache_bytes=data.cache_bytes,
-                           storage_options=options, prefetch_steps=data.prefetch_steps) for name in ("train", "val")]
+    options = json.loads(data.shards_options) if data.shards_options else {}
+    readers = [ShardReader(f"{data.shards_uri.rstrip('/')}/{name}", cache_dir=data.shards_cache_dir,
+                           cache_bytes=data.shards_cache_bytes, storage_options=options,
+                           prefetch_steps=data.shards_prefetch_steps) for name in ("train", "val")]
     train, val = (TokenWindows(reader, config.model.context) for reader in readers)
     held_out = torch.cat([val[i][0] for i in range(len(val))]).to(torch.uint8) if len(val) else torch.zeros(0)
     digest = readers[0].index.digest
-    source = f"token shards at {data.shards} ({len(readers[0].index.shards)} training shards, index {digest[:16]})"
+    source = f"token shards at {data.shards_uri} ({len(readers[0].index.shards)} training shards, index {digest[:16]})"
     return train, val, unigram_entropy(held_out), {"shards_index_sha256": digest}, source
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,10 +75,37 @@ def test_a_shard_corrupted_in_storage_is_never_served(s3_server: S3Endpoint, tmp
     assert not data.reader.cache.cached(data.reader.piece_key(0, 1))
 
 
+def test_reads_during_an_s3_outage_wait_and_return_the_right_bytes(s3_server: S3Endpoint, tmp_path: Path) -> None:
+    from chaos.s3 import StorageProxy
+
+    uri, bodies = _write_tokens(s3_server, "outage", (3000,))
+    proxy = StorageProxy(int(s3_server.endpoint.rsplit(":", 1)[1])).start()
+    try:
+        options = {**s3_server.options, "endpoint_url": proxy.endpoint}
+        data = TokenWindows(ShardReader(uri, cache_dir=str(tmp_path / "cache"), storage_options=options), 32)
+        proxy.set_down(True)
+        got: list[list[int]] = []
+        reader = threading.Thread(target=lambda: got.append(data[50][0].tolist()))
+        reader.start()
+        _wait(lambda: data.reader.read_retries >= 2)  # the read failed twice and keeps trying
+        proxy.set_down(False)
+        reader.join(60)
+        assert got == [np.frombuffer(bodies[0], "<u2")[1600:1632].astype(np.int64).tolist()]
+    finally:
+        proxy.close()
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        threading.Event().wait(0.02)
+
+
 def _lm(s3: S3Endpoint, args: list[str], nproc: int, cache: Path) -> None:
     launcher = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    result = run(launcher + [LM_TRAIN, *TINY, "--data-shards", s3.child_uri("lm"), "--data-cache-dir", str(cache), *args],
-                 timeout=180, env=s3.env)
+    shards = ["--data-shards-uri", s3.child_uri("lm"), "--data-shards-cache-dir", str(cache)]
+    result = run(launcher + [LM_TRAIN, *TINY, *shards, *args], timeout=180, env=s3.env)
     assert result.returncode == 0, result.output[-4000:]
 
 

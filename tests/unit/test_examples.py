@@ -51,6 +51,8 @@ def changed_value(value: object) -> str:
         return "false" if value else "true"
     if isinstance(value, float):
         return repr(value / 2 + 0.25)
+    if isinstance(value, str):  # a URI, a directory or a JSON object: "{}" is a valid other value of each
+        return "{}" if value != "{}" else "{ }"
     return str(value // 2 if isinstance(value, int) and value > 2 else value + 1)
 
 

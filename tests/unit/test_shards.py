@@ -317,7 +317,7 @@ def _wait(condition, timeout: float = 30.0) -> None:
 # -- the command ---------------------------------------------------------------------------------------------
 
 
-def test_shards_index_and_verify_name_the_shard_and_piece_that_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shards_index_and_verify_name_the_shard_and_piece_that_changed(tmp_path: Path, capsys) -> None:
     from elastic_ddp.cli import main
 
     root = tmp_path / "s"
