@@ -39,6 +39,8 @@ HOST = "127.0.0.1"
 
 REPLICA_DIR_ENV = "ELASTIC_DDP_REPLICA_DIR"
 """elastic_ddp.checkpoint.replica.REPLICA_DIR_ENV, restated: importing the runtime would import torch here."""
+SHARD_CACHE_DIR_ENV = "ELASTIC_DDP_SHARD_CACHE_DIR"
+"""elastic_ddp.shards.dataset.CACHE_DIR_ENV, restated likewise: every node's shard cache is its own, empty at its start."""
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
@@ -308,13 +310,15 @@ class LocalCluster:
         """
         name = f"node{len(self.nodes)}"
         replica_dir = self.workdir / "node-memory" / name
+        cache_dir = self.workdir / "node-cache" / name
         command, network_env = self.spec.torchrun_command(extra_args), {}
         if self.fabric is not None:
             where = self.fabric.add_host(host_name(name))
             command = exec_prefix(where.namespace) + self.spec.torchrun_command(extra_args, local_addr=where.address)
             network_env = {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
         node = Node(name, command,
-                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), **network_env, **(env or {})},
+                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), SHARD_CACHE_DIR_ENV: str(cache_dir), **network_env,
+                     **(env or {})},
                     self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "",
                     replica_dir=replica_dir, prestart_fork_server=self.fabric is None)
         self.nodes.append(node.start())

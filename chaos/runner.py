@@ -20,6 +20,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -61,6 +62,7 @@ from chaos.verify import (
     read_checkpoint,
     read_ledger_facts,
     reference_run,
+    write_data,
 )
 from elastic_ddp.events import Event, parse_events, read_events
 
@@ -101,6 +103,9 @@ class Services:
     """fsspec options with which the runner reads the checkpoint root directly (not through the proxy)."""
     etcd: EtcdServer | EtcdCluster | None = None
     proxy: StorageProxy | None = None
+    moto_endpoint: str = ""
+    data_uri: str = ""
+    """Where the job's dataset was written (``job.data_write``), read by the nodes through the proxy."""
     spot: SpotServer | None = None
     fabric: Fabric | None = None
 
@@ -120,6 +125,10 @@ def start_services(scenario: Scenario, workdir: Path, stack: ExitStack) -> Servi
             services.rdzv_endpoint = services.etcd.endpoint
     if cluster.checkpoint == "s3":
         _start_s3(services, scenario.name, workdir, stack)
+        if scenario.job.data_write:  # straight to moto, not through the proxy: the faults are for the job
+            services.data_uri = f"{services.checkpoint_uri}-data"
+            write_data(scenario.job, services.data_uri, {**os.environ, **client_env(services.moto_endpoint)},
+                       scenario.timeout_s)
     if any(fault.kind == "spot-notice" for fault in scenario.faults):
         services.spot = SpotServer(services.fabric.add_host("md") if services.fabric else None).start()
         stack.callback(services.spot.close)
@@ -135,6 +144,7 @@ def _start_s3(services: Services, name: str, workdir: Path, stack: ExitStack) ->
     services.checkpoint_args = ["--checkpoint-storage-options", json.dumps({"endpoint_url": proxy.endpoint})]
     services.node_env = client_env(proxy.endpoint)
     services.store_options = storage_options(moto.endpoint)
+    services.moto_endpoint = moto.endpoint
 
 
 # -- the job ------------------------------------------------------------------------------
@@ -145,7 +155,8 @@ def job_spec(scenario: Scenario, services: Services, workdir: Path) -> JobSpec:
     job, cluster = scenario.job, scenario.cluster
     args = [*job.args, "--max-steps", str(job.max_steps), "--checkpoint-every", str(job.checkpoint_every),
             "--checkpoint-dir", services.checkpoint_uri, *services.checkpoint_args,
-            "--log-dir", str(workdir / "logs"), "--log-every", "1"]
+            "--log-dir", str(workdir / "logs"), "--log-every", "1",
+            *([job.data_uri_flag, services.data_uri] if services.data_uri else [])]
     return JobSpec(
         script=job.script, args=args, nnodes=cluster.nodes, nproc_per_node=cluster.nproc_per_node,
         rdzv_backend=cluster.rdzv_backend, rdzv_endpoint=services.rdzv_endpoint,

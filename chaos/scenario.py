@@ -13,6 +13,9 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
     args = ["--optim-decay-steps", "40"]
     max_steps = 300
     checkpoint_every = 20
+    # optional: a dataset on the run's S3 endpoint (needs checkpoint = "s3"); {uri} is where it goes
+    data_write = ["examples/lm/shards.py", "{uri}"]
+    data_uri_flag = "--data-shards-uri"
 
     [cluster]
     nodes = "1:2"                 # torchrun --nnodes (min:max)
@@ -191,6 +194,19 @@ class JobConfig:
     """Its arguments, without the flags in :data:`RUNNER_FLAGS`."""
     max_steps: int
     checkpoint_every: int
+    data_write: tuple[str, ...] = ()
+    """A command (a script relative to the repository, then its arguments) that writes the job's dataset to the URI
+    it is given in place of ``{uri}``: the runner writes it once to the run's S3 endpoint (the job reads it through
+    the storage proxy, so storage faults hit its reads) and once to a local directory for the reference run."""
+    data_uri_flag: str = ""
+    """The job's flag that takes the dataset's URI (e.g. ``--data-shards-uri``). Every node also gets a shard cache
+    of its own, empty when it starts (``ELASTIC_DDP_SHARD_CACHE_DIR``)."""
+
+    def data_command(self, uri: str) -> list[str]:
+        """``data_write`` run by this interpreter, with ``{uri}`` replaced."""
+        script, *args = self.data_write
+        path = Path(script) if Path(script).is_absolute() else REPO / script
+        return [sys.executable, str(path), *(arg.replace("{uri}", uri) for arg in args)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +323,8 @@ def parse_scenario(data: dict[str, Any], where: str = "<scenario>") -> Scenario:
     reader.reject_unknown()
     if not problems:
         problems += fault_problems(faults, cluster)
+        if job.data_write and cluster.checkpoint != "s3":
+            problems.append("job.data_write: needs cluster.checkpoint = 's3' (the dataset lives on the S3 endpoint)")
     if problems:
         raise ScenarioError(f"{where}: invalid scenario:\n  " + "\n  ".join(problems))
     return Scenario(name=name, description=description, seed=seed, timeout_s=timeout_s, open_schedule=open_schedule, job=job,
@@ -360,8 +378,19 @@ def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:
         problems.append(f"job.script: {script!r} is not a file (relative paths start at {REPO})")
     if LEDGER_FLAG not in args and "--no-" + LEDGER_FLAG[2:] not in args:  # a scenario may turn it off
         args += (LEDGER_FLAG,)
+    data_write, data_uri_flag = tuple(reader.strings("data_write")), reader.string("data_uri_flag")
+    if data_write or data_uri_flag:
+        if not data_write or not data_uri_flag.startswith("--"):
+            problems.append("job.data_write and job.data_uri_flag: give both (the writer command, the job's --flag)")
+        elif "{uri}" not in data_write[1:]:
+            problems.append("job.data_write: no argument is '{uri}' (where the runner has the dataset written)")
+        elif not (Path(data_write[0]) if Path(data_write[0]).is_absolute() else REPO / data_write[0]).is_file():
+            problems.append(f"job.data_write: {data_write[0]!r} is not a file (relative paths start at {REPO})")
+        if data_uri_flag in args:
+            problems.append(f"job.args: {data_uri_flag} is set by the runner (job.data_uri_flag)")
     job = JobConfig(script=str(path), args=args, max_steps=reader.integer("max_steps", required=True, minimum=1),
-                    checkpoint_every=reader.integer("checkpoint_every", required=True, minimum=1))
+                    checkpoint_every=reader.integer("checkpoint_every", required=True, minimum=1),
+                    data_write=data_write, data_uri_flag=data_uri_flag)
     reader.reject_unknown()
     return job
 

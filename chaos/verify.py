@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.cluster import Node
+from chaos.cluster import SHARD_CACHE_DIR_ENV, Node
 from chaos.faults import Commit, FaultRecord
 from chaos.scenario import REPO, ChaosError, JobConfig
 from elastic_ddp.events import SAMPLES_FILE, Event, LedgerEntry, read_ledger
@@ -752,7 +752,8 @@ def reference_key(job: JobConfig, world_size: int) -> str:
     import torch
 
     body = json.dumps([os.path.relpath(job.script, REPO), list(job.args), job.max_steps, job.checkpoint_every, world_size,
-                       torch.__version__, _sources_digest(Path(job.script).parent, REPO / "elastic_ddp")])
+                       torch.__version__, _sources_digest(Path(job.script).parent, REPO / "elastic_ddp"),
+                       *([list(job.data_write), job.data_uri_flag] if job.data_write else [])])
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
@@ -791,13 +792,18 @@ def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout
         shutil.rmtree(directory)  # a reference that did not finish: start it over
     directory.mkdir(parents=True)
     keep = job.max_steps // job.checkpoint_every + 2
+    data = []
+    if job.data_write:  # the same dataset, written to a local directory: the same bytes, the same index digest
+        write_data(job, str(directory / "data"), _reference_env(), timeout_s)
+        data = [job.data_uri_flag, str(directory / "data")]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-               job.script, *job.args, "--max-steps", str(job.max_steps), "--checkpoint-every", str(job.checkpoint_every),
-               "--checkpoint-keep", str(keep), "--checkpoint-dir", str(directory / "ckpt"),
+               job.script, *job.args, *data, "--max-steps", str(job.max_steps), "--checkpoint-every",
+               str(job.checkpoint_every), "--checkpoint-keep", str(keep), "--checkpoint-dir", str(directory / "ckpt"),
                "--log-dir", str(directory / "logs"), "--log-every", "1"]
     logger.info("reference run (world size %d): %s", world_size, " ".join(command))
     # a Node: torchrun and its workers each in their own session, all stopped by stop() on every exit path
-    node = Node("reference", command, _reference_env(), directory / "reference.log").start()
+    env = {**_reference_env(), SHARD_CACHE_DIR_ENV: str(directory / "shard-cache")}
+    node = Node("reference", command, env, directory / "reference.log").start()
     try:
         code: int | None = node.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -807,6 +813,19 @@ def _run_reference_job(job: JobConfig, world_size: int, directory: Path, timeout
     if code != 0:
         tail = node.output()[-3000:]
         raise VerifyError(f"the reference run in {directory} {'timed out' if code is None else f'exited {code}'}:\n{tail}")
+
+
+def write_data(job: JobConfig, uri: str, env: dict[str, str], timeout_s: float) -> None:
+    """Run the job's dataset writer (``job.data_write``) for ``uri``."""
+    command = job.data_command(uri)
+    logger.info("writing the job's dataset: %s", " ".join(command))
+    try:
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise VerifyError(f"the dataset writer did not finish in {timeout_s:.0f} s: {' '.join(command)}") from exc
+    if result.returncode:
+        raise VerifyError(f"the dataset writer exited {result.returncode}: {' '.join(command)}\n"
+                          f"{(result.stdout + result.stderr)[-3000:]}")
 
 
 def _reference_env() -> dict[str, str]:

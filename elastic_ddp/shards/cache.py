@@ -75,11 +75,14 @@ class ShardCache:
     # -- public --------------------------------------------------------------------------------------------
 
     def path(self, key: str) -> Path:
+        """Where piece ``key`` (``NAME`` or ``FOLDER/NAME``) lies when cached."""
         return self.root / key
 
     def get(self, key: str, size: int, sha256: str, fetch: Callable[[], bytes]) -> Path:
         """The verified piece ``key`` (``size`` bytes, SHA-256 ``sha256``), fetched with ``fetch`` by this process
         or another of the node when it is not cached yet. Its use time is refreshed (LRU)."""
+        if key.startswith(".") or "/." in key or key.count("/") > 1 or key.endswith("/"):
+            raise DataError(f"shard cache key {key!r} is not NAME or FOLDER/NAME (neither starting with '.')")
         target = self.root / key
         if _touch(target):
             self.stats.hits += 1
@@ -164,16 +167,18 @@ class ShardCache:
         return used + size <= self.budget
 
     def _pieces(self) -> Iterator[tuple[Path, int, int]]:
-        """``(path, bytes, last use)`` of every cached piece."""
-        for directory in os.scandir(self.root):
-            if not directory.is_dir() or directory.name.startswith("."):
+        """``(path, bytes, last use)`` of every cached piece: the files under ``root`` and in its folders, one level
+        down (a key is ``NAME`` or ``FOLDER/NAME``), leaving out the cache's own (``.locks``, ``.partial``, ...)."""
+        for entry in os.scandir(self.root):
+            if entry.name.startswith("."):
                 continue
-            for entry in os.scandir(directory.path):
+            for item in os.scandir(entry.path) if entry.is_dir() else (entry,):
                 try:
-                    stat = entry.stat()
+                    stat = item.stat()
                 except FileNotFoundError:
                     continue
-                yield Path(entry.path), stat.st_size, stat.st_mtime_ns
+                if not item.name.startswith("."):
+                    yield Path(item.path), stat.st_size, stat.st_mtime_ns
 
     def _reservations(self) -> dict[str, int]:
         """Reserved bytes by marker; markers (and partial files) of processes that are gone are removed."""

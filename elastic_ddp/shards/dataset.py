@@ -73,7 +73,8 @@ class ShardReader:
             self.index = index if index is not None else load_index(self.uri, self.fs)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot read the shard index at {self.uri}: {type(exc).__name__}: {exc}") from exc
-        self.cache = ShardCache(os.path.join(cache_dir or default_cache_dir(), self.index.digest[:16]), cache_bytes)
+        # one cache and one budget per node directory, whatever the datasets: each keeps its pieces under its digest
+        self.cache = ShardCache(cache_dir or default_cache_dir(), cache_bytes)
         self._root = self.fs._strip_protocol(self.uri)
 
     @property
@@ -87,7 +88,7 @@ class ShardReader:
         return {**self.__dict__, "_fs": None, "_fs_pid": -1}
 
     def piece_key(self, shard: int, piece: int) -> str:
-        return f"{self.index.shards[shard].name}.{piece:06d}"
+        return f"{self.index.digest[:16]}/{self.index.shards[shard].name}.{piece:06d}"
 
     def ensure(self, shard: int, piece: int) -> str:
         """The local path of a verified piece, fetched if the node does not hold it yet."""
@@ -115,7 +116,7 @@ class ShardReader:
                     logger.warning("reading bytes %d-%d of shard %s failed (attempt %d: %s: %s); retrying for up to "
                                    "%.0f s", start, stop, path, attempt, type(exc).__name__, exc, deadline - time.monotonic())
                 time.sleep(delay)
-                delay = min(2 * delay, 5.0)
+                delay = min(2 * delay, 1.0)  # an outage that ends is noticed within a second
         raise AssertionError("not reached")
 
     def read(self, shard: int, start: int, stop: int) -> bytes:

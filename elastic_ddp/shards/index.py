@@ -43,7 +43,7 @@ rank's samples of the next steps cost a few pieces each."""
 MIN_PIECE_BYTES = 4 << 10
 MAX_PIECE_BYTES = 1 << 30
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9._][A-Za-z0-9._-]{0,254}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _KEY = re.compile(r"^[^/]{1,255}$")
 
 
@@ -249,7 +249,8 @@ def build_index(uri: str, fs: fsspec.AbstractFileSystem, *, kind: str, pattern: 
     shards = []
     for number, name in enumerate(names, 1):
         if not _NAME.match(name):
-            raise DataError(f"{uri}: shard name {name!r} is not a plain file name (letters, digits, '.', '_', '-')")
+            raise DataError(f"{uri}: shard name {name!r} is not a plain file name (letters, digits, '.', '_', '-'; "
+                            "not starting with '.')")
         path = posixpath.join(root, name)
         whole, pieces, size = hashlib.sha256(), [], 0
         with fs.open(path, "rb") as handle:

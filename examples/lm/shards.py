@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-bytes", type=int, default=3_000_000, help="corpus bytes (as --data-budget-bytes)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction (as --data-val-fraction)")
     parser.add_argument("--shard-bytes", type=int, default=256 << 10, help="bytes per shard (default 256 KiB)")
+    parser.add_argument("--piece-bytes", type=int, default=PIECE_BYTES,
+                        help="the unit a node downloads, caches and verifies (default 64 KiB)")
     parser.add_argument("--storage-options", default="", help="fsspec options as JSON (an S3 endpoint_url, ...)")
     args = parser.parse_args(argv)
     try:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--storage-options: {exc}")
     try:
         write_shards(args.uri, budget_bytes=args.budget_bytes, val_fraction=args.val_fraction,
-                     shard_bytes=args.shard_bytes, storage_options=options)
+                     shard_bytes=args.shard_bytes, storage_options=options, piece_bytes=args.piece_bytes)
     except (OSError, ValueError) as exc:
         print(f"shards.py: {exc}", file=sys.stderr)
         return 1

@@ -185,3 +185,17 @@ def test_a_partition_names_its_peers_and_direction() -> None:
     message = problems_of(data)
     assert "faults[0].peers: 'switch' is not one of nodes, etcd, storage, all, node:N" in message
     assert "faults[0].direction: 'sideways' is not one of both, out, in" in message
+
+
+def test_a_dataset_writer_needs_its_flag_the_uri_placeholder_and_an_s3_endpoint() -> None:
+    job = {"script": "examples/lm/train.py", "max_steps": 10, "checkpoint_every": 5}
+    assert "give both" in problems_of(document(job={**job, "data_write": ["examples/lm/shards.py", "{uri}"]}))
+    assert "no argument is '{uri}'" in problems_of(document(job={**job, "data_write": ["examples/lm/shards.py", "/x"],
+                                                                   "data_uri_flag": "--data-shards-uri"}))
+    assert "is not a file" in problems_of(document(job={**job, "data_write": ["nope.py", "{uri}"],
+                                                      "data_uri_flag": "--data-shards-uri"}))
+    writer = {**job, "data_write": ["examples/lm/shards.py", "{uri}"], "data_uri_flag": "--data-shards-uri"}
+    assert "needs cluster.checkpoint = 's3'" in problems_of(document(job=writer))
+    scenario = parse_scenario(document(job=writer, cluster={"nodes": "1:2", "start_nodes": 2, "checkpoint": "s3"}))
+    command = scenario.job.data_command("s3://b/data")
+    assert command[1].endswith("examples/lm/shards.py") and command[2:] == ["s3://b/data"]

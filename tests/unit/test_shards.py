@@ -273,6 +273,31 @@ def _bytes(directory: Path) -> int:
     return total
 
 
+def test_a_small_budget_evicts_while_a_dataset_is_read_through_it_and_two_datasets_share_it(
+        tokens: tuple[Path, list[np.ndarray]], tmp_path: Path) -> None:
+    root, arrays = tokens
+    other = tmp_path / "other"
+    _token_shards(other, (6000,), dtype="uint16")
+    build_index(str(other), FS, kind="tokens", dtype="uint16", piece_bytes=PIECE)
+    budget = 5 * PIECE
+    first = TokenWindows(_reader(root, tmp_path / "cache", budget), 64)
+    second = TokenWindows(_reader(other, tmp_path / "cache", budget), 64)
+    expected = [a[w * 64 : w * 64 + 64].astype(np.int64).tolist() for a in arrays for w in range((len(a) - 1) // 64)]
+    for i in range(len(first)):
+        assert first[i][0].tolist() == expected[i]
+        second[i % len(second)]
+        assert first.reader.cache.usage() <= budget
+    assert first.reader.cache.stats.evicted + second.reader.cache.stats.evicted > 0
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "cache").glob("*/*"))
+    assert on_disk <= budget
+
+
+@pytest.mark.parametrize("key", [".locks/x", "a/b/c", "a/.x", "a/"])
+def test_a_cache_key_outside_the_layout_is_refused(tmp_path: Path, key: str) -> None:
+    with pytest.raises(DataError, match="is not NAME or FOLDER/NAME"):
+        ShardCache(tmp_path, 10_000).get(key, 1, _piece(0, 1)[1], lambda: b"\0")
+
+
 # -- prefetch ------------------------------------------------------------------------------------------------
 
 
