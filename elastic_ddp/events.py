@@ -58,6 +58,7 @@ class Event(str, enum.Enum):
     PROCESS_GROUP_FORMED = "process_group_formed"
     STARTED_FRESH = "started_fresh"
     RESUMED = "resumed"
+    FIRST_STEP = "first_step"
     RESTORE_FAILED = "restore_failed"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
     COMMITTED = "committed"
@@ -76,6 +77,7 @@ FIELDS: Mapping[Event, tuple[str, ...]] = {
     Event.PROCESS_GROUP_FORMED: ("world_size", "backend", "store", "agent_store", "restart_count"),
     Event.STARTED_FRESH: ("world_size", "reason"),
     Event.RESUMED: ("step", "path", "saved_world_size", "world_size", "rank_state_reused", "source"),
+    Event.FIRST_STEP: ("step", "data_wait_s", "step_time_s"),
     Event.RESTORE_FAILED: ("error",),
     Event.CHECKPOINT_SKIPPED: ("step", "path", "reason"),
     Event.COMMITTED: ("step", "path", "world_size", "files", "bytes"),
@@ -104,6 +106,10 @@ WRITTEN: Mapping[Event, tuple[str, str]] = {
         "every rank, after loading (`CheckpointManager.restore`)",
         "`step`, `path` (the step directory, or the node's replica directory), `saved_world_size`, `world_size` "
         "(now), `rank_state_reused` (same world size: the rank's own RNG streams), `source` (`storage` or `replica`)"),
+    Event.FIRST_STEP: (
+        "every rank (trainer path), when the first step of its launch is done",
+        "`step`, `data_wait_s` (time it waited for that step's batches: a node that joined with an empty shard "
+        "cache shows here), `step_time_s`"),
     Event.RESTORE_FAILED: (
         "each rank whose restore raised (nothing valid and no fresh start allowed, a refused fingerprint, a file "
         "that changed after rank 0 verified it)", "`error`"),

@@ -37,7 +37,7 @@ from elastic_ddp.collection import StepCollection
 from elastic_ddp.config import TrainConfig
 from elastic_ddp.data import StepPlan, check_delivered
 from elastic_ddp.distributed import DistContext
-from elastic_ddp.events import EventLog
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import Progress, StepTimer
 from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts, start_prefetch
@@ -144,12 +144,17 @@ class Trainer:
         self.runtime.begin()
         last_loss: float | None = None
         stop_reason: str | None = None
+        first = True
         try:
             while not self.done(plan := self.sampler.plan()):
                 started = time.perf_counter()
                 data_wait = self._step(plan, batches, loss_sum)
                 step_time = time.perf_counter() - started
                 timer.add(plan.size, step_time, data_wait)
+                if first:
+                    self.events.emit(Event.FIRST_STEP, step=counters.step, data_wait_s=round(data_wait, 6),
+                                     step_time_s=round(step_time, 6))
+                    first = False
                 if self.log_context is not None:
                     self.log_context.set_step(counters.step)  # the runtime's agreement sets the events' step
                 decision = self.runtime.agree(step_time)
