@@ -278,6 +278,8 @@ class ScaleResult:
     leave_s: list[float] = field(default_factory=list)
     """Each time one node leaves (a preempted agent's exit): the leave -> every survivor in the new round."""
     leave_writes: list[float] = field(default_factory=list)
+    change_cpu: list[tuple[float, float]] = field(default_factory=list)
+    """Each join and each leave: CPU seconds the agents' processes and etcd used until all were in the new round."""
     note: str = ""
 
 
@@ -336,16 +338,20 @@ def scale_backend(backend: str, endpoint: str, count: int, per_process: int, ste
             result.steady_cpu = (_cpu_seconds(etcd_pid) - cpu) / steady_s if etcd_pid else None
         for index, joiner in enumerate(joiners):
             before = etcd_counters(endpoint) if counted else {}
+            cpu = (_fleet_cpu(fleets), _cpu_seconds(etcd_pid))
             joined = joiner.go()
             fleet.wait_for(all_in(count + 1, joined), SCALE_TIMEOUT_S, "join %d" % (index + 1))
             result.join_s.append(last(count + 1, joined) - joined)
+            result.change_cpu.append((_fleet_cpu(fleets) - cpu[0], _cpu_seconds(etcd_pid) - cpu[1]))
             if not counted:
                 break  # c10d: one join (its leave waits out torch's heartbeat rule, as a kill does)
             result.join_writes.append(delta(etcd_counters(endpoint), before)["writes"])
             before = etcd_counters(endpoint)
+            cpu = (_fleet_cpu(fleets), _cpu_seconds(etcd_pid))
             left = fleet.leave(index)
             fleet.wait_for(all_in(count, left), SCALE_TIMEOUT_S, "the re-formation after leave %d" % (index + 1))
             result.leave_s.append(last(count, left) - left)
+            result.change_cpu.append((_fleet_cpu(fleets) - cpu[0], _cpu_seconds(etcd_pid) - cpu[1]))
             result.leave_writes.append(delta(etcd_counters(endpoint), before)["writes"])
     except (RuntimeError, TimeoutError) as exc:
         result.note = str(exc)
@@ -354,6 +360,11 @@ def scale_backend(backend: str, endpoint: str, count: int, per_process: int, ste
         for each in fleets:
             each.stop()
     return result
+
+
+def _fleet_cpu(fleets: list[Fleet]) -> float:
+    """CPU seconds the fleets' agent processes have used."""
+    return sum(_cpu_seconds(proc.pid) for each in fleets for proc in each.procs if proc.poll() is None)
 
 
 def _cpu_seconds(pid: int | None) -> float:
@@ -461,6 +472,11 @@ def report_scale(results: dict[int, dict[str, ScaleResult]], per_process: int, s
                     "%s %d" % (name, value) for name, value in sorted(r.form_rpcs.items()))))
             if r.join_s and loop != "etcd-v3":
                 print("  %s at %d: a node joining -> all in the new round %s" % (loop, count, _spread(r.join_s)))
+            if r.change_cpu:
+                agents, etcd = (statistics.median(cpu[i] for cpu in r.change_cpu) for i in (0, 1))
+                print("  %s at %d: CPU per join or leave until all were in the new round (median): agents %.2f s, "
+                      "etcd %.2f s; %.2f s of wall time on %d cores at best" % (
+                          loop, count, agents, etcd, (agents + etcd) / (os.cpu_count() or 1), os.cpu_count() or 1))
     if steady_s:
         print("  (steady: %d s of N nodes training: heartbeats every %d s and the agents' 0.1 s polls)"
               % (steady_s, ETCD_KEEP_ALIVE_S))
