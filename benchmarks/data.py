@@ -22,7 +22,8 @@ together; node0's cache holds the whole corpus, node1's is empty, as for a spot 
 (a join restarts every worker, so everyone's first step is after the join). The figure is node1's first-step
 data wait minus node0's (each rank's ``first_step`` event), in steady-state step times.
 
-Prints medians with their range over repeats. Exit status 1 if a run failed.
+The S3 server and the proxy run on the same cores as the job; the CPU they use per step is printed beside
+each way's step time. Prints medians with their range over repeats. Exit status 1 if a run failed.
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def steady_share(logs: Path) -> tuple[float, float]:
     steps = [r for r in records(logs / "metrics.jsonl") if "step_time_s" in r and r["step"] > WARMUP_STEPS]
     wait, total = sum(r["data_wait_s"] for r in steps), sum(r["step_time_s"] for r in steps)
     return wait / total, statistics.median(r["step_time_s"] for r in steps)
+
+
+def storage_cpu(moto_pid: int) -> float:
+    """CPU seconds used so far by the S3 server and this process (the proxy's threads): the harness's share of the
+    machine, which the training processes do not have."""
+    import psutil
+
+    total = 0.0
+    for pid in (moto_pid, os.getpid()):
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def train(way: str, steps: int, data_uri: str, endpoint: str, work: Path) -> tuple[float, float]:
@@ -137,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ways = ("local", "s3", "s3, no prefetch")
     shares: dict[str, list[float]] = {way: [] for way in ways}
     step_times: dict[str, list[float]] = {way: [] for way in ways}
+    harness: dict[str, list[float]] = {way: [] for way in ways}
     joins: list[float] = []
     with ExitStack() as stack:
         moto = start_on_free_port(root / "moto.log", stack=stack)
@@ -150,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             order = ways if repeat % 2 == 0 else tuple(reversed(ways))
             for way in order:
                 work = root / f"r{repeat}"
+                cpu = storage_cpu(moto.pid or 0)
                 share, step = train(way, args.steps, data_uri, proxy.endpoint, work)
+                harness[way].append((storage_cpu(moto.pid or 0) - cpu) / args.steps)
                 shares[way].append(share)
                 step_times[way].append(step)
-                print(f"repeat {repeat}: {way}: data wait {100 * share:.2f}% of step time, step {1e3 * step:.0f} ms",
-                      flush=True)
+                print(f"repeat {repeat}: {way}: data wait {100 * share:.2f}% of step time, step {1e3 * step:.0f} ms, "
+                      f"S3 server and proxy {1e3 * harness[way][-1]:.0f} ms of CPU a step", flush=True)
             wait = join(args.steps, data_uri, proxy.endpoint, root / f"r{repeat}")
             joins.append(wait)
             print(f"repeat {repeat}: join: the cold node's first step waited {wait:+.3f} s more than the warm node's",
@@ -163,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\nLM example, 2 ranks, 2 loader workers each, {args.steps} steps, S3 latency {1e3 * args.latency_s:.0f} ms "
           f"per request, {args.repeats} repeats: median (range)")
-    print(f"{'way':18} {'data wait / step time':>24} {'step time':>22}")
+    print(f"{'way':18} {'data wait / step time':>24} {'step time':>22} {'S3 server + proxy CPU a step':>30}")
     for way in ways:
-        print(f"{way:18} {spread(shares[way], 100, '%'):>24} {spread(step_times[way], 1e3, ' ms', 0):>22}")
+        print(f"{way:18} {spread(shares[way], 100, '%'):>24} {spread(step_times[way], 1e3, ' ms', 0):>22} "
+              f"{spread(harness[way], 1e3, ' ms', 0):>30}")
     typical = statistics.median(step_times["s3"])
     print(f"join: cold node's first-step data wait minus the warm node's: {spread(joins, 1, ' s', 3)} = "
           f"{statistics.median(joins) / typical:.2f} steady step times (target <= 1)")

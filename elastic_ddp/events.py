@@ -261,6 +261,14 @@ def check_record(record: Any) -> str | None:
 
 def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[str]]:
     """The valid records among ``lines``, and one problem per line that is not one (line numbers from 1)."""
+    numbered, problems = _json_lines(lines, check_record, shown=120)
+    return [record for _, record in numbered], problems
+
+
+def _json_lines(lines: Iterable[str], check: Callable[[Any], str | None], shown: int,
+                ) -> tuple[list[tuple[int, Any]], list[str]]:
+    """``(line number, record)`` of each line that is JSON and passes ``check`` (None: no problem), and one problem
+    per other non-blank line, naming its number (from 1) and, where the record has one, its step."""
     records, problems = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -268,13 +276,14 @@ def parse_events(lines: Iterable[str]) -> tuple[list[dict[str, Any]], list[str]]
         try:
             record = json.loads(line)
         except ValueError as exc:
-            problems.append(f"line {number}: not JSON ({exc}): {line[:120]!r}")
+            problems.append(f"line {number}: not JSON ({exc}): {line[:shown]!r}")
             continue
-        problem = check_record(record)
+        problem = check(record)
         if problem:
-            problems.append(f"line {number}: {problem}")
+            step = f" (step {record['step']!r})" if isinstance(record, dict) and "step" in record else ""
+            problems.append(f"line {number}{step}: {problem}")
         else:
-            records.append(record)
+            records.append((number, record))
     return records, problems
 
 
@@ -385,23 +394,10 @@ def check_ledger_record(record: Any) -> str | None:
 
 def parse_ledger(lines: Iterable[str]) -> tuple[list[LedgerEntry], list[str]]:
     """The valid entries among ``lines``, in file order, and one problem per line that is not one (from 1)."""
-    entries, problems = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            problems.append(f"line {number}: not JSON ({exc}): {line[:80]!r}")
-            continue
-        problem = check_ledger_record(record)
-        if problem:
-            step = f" (step {record['step']!r})" if isinstance(record, dict) and "step" in record else ""
-            problems.append(f"line {number}{step}: {problem}")
-            continue
-        entries.append(LedgerEntry(step=record["step"], epoch=record["epoch"], start=record["start"], stop=record["stop"],
-                                   world_size=record["world_size"], ids=tuple(record["ids"]), line=number))
-    return entries, problems
+    numbered, problems = _json_lines(lines, check_ledger_record, shown=80)
+    return [LedgerEntry(step=record["step"], epoch=record["epoch"], start=record["start"], stop=record["stop"],
+                        world_size=record["world_size"], ids=tuple(record["ids"]), line=number)
+            for number, record in numbered], problems
 
 
 def read_ledger(log_dir: str | os.PathLike[str]) -> tuple[list[LedgerEntry], list[str]] | None:

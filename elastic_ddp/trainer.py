@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,7 +140,8 @@ class Trainer:
         batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                               seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
-        prefetch = start_prefetch(self.train_data, self.sampler)  # likewise
+        prefetch = ExitStack()
+        prefetch.enter_context(start_prefetch(self.train_data, self.sampler))  # likewise
         self.runtime.begin()
         last_loss: float | None = None
         stop_reason: str | None = None
@@ -171,7 +172,7 @@ class Trainer:
                 self.runtime.save_if_due(decision.save_due)
                 collection.step(counters.step)
         finally:
-            prefetch.__exit__(None, None, None)
+            prefetch.close()
             collection.stop()
             progress.close()
             del batches

@@ -4,9 +4,10 @@ The global cursor knows the future: from the committed position, :meth:`ElasticS
 next step, and the sampler's split gives this rank's samples of each at the current world size. A
 :class:`Prefetcher` walks the next ``steps`` steps, maps this rank's samples to the pieces that hold them,
 and has the node's cache fetch the missing ones in order of need, at most ``inflight`` at a time (each holds
-one piece in memory), and at most ``max_bytes`` ahead of the committed position. Whenever the committed
-position moves it plans again from there. After a world-size change the new workers build a new sampler
-and a new prefetcher, so the plan is the new split's from their first step.
+one piece in memory), and at most ``max_bytes`` ahead of the committed position (a quarter of the cache's
+budget, shared by the node's ranks). Whenever the committed position moves it plans again from there.
+After a world-size change the new workers build a new sampler and a new prefetcher, so the plan is the new
+split's from their first step.
 
 A piece a DataLoader worker needs while the prefetcher fetches it is not fetched twice: the worker waits
 on the piece's lock in the cache and then reads the file.
@@ -15,6 +16,7 @@ on the piece's lock in the cache and then reads the file.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,8 +41,11 @@ class Prefetcher:
         self.dataset, self.sampler = dataset, sampler
         self.reader = dataset.reader
         self.steps, self.inflight = steps, inflight
-        self.max_bytes = max_bytes or max(self.reader.index.piece_bytes, self.reader.cache.budget // 4)
-        """Bytes of pieces planned ahead at most (default: a quarter of the cache's budget)."""
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        self.max_bytes = max_bytes or max(self.reader.index.piece_bytes, self.reader.cache.budget // (4 * local_ranks))
+        """Bytes of pieces planned ahead at most. Default: a quarter of the cache's budget, shared by the node's ranks
+        (torchrun's ``LOCAL_WORLD_SIZE``): the pieces fetched ahead must not evict those the workers read now, or
+        they are evicted themselves before they are read, and everything is downloaded twice."""
         self.error: BaseException | None = None
         """The first fetch that failed (the reader raises it again when a worker needs that piece)."""
         self.planned_pieces = 0

@@ -41,10 +41,10 @@ def test_the_lm_loses_no_sample_and_stays_within_tolerance_through_kill_preempt_
     assert facts.steps[-1].step == scenario.job.max_steps, text
 
 
-def test_the_lm_on_s3_shards_loses_no_sample_through_a_cold_cache_join_slow_and_failed_reads_and_a_kill(
+def test_the_lm_on_s3_shards_loses_no_sample_through_a_cold_cache_join_slow_and_failed_reads_a_kill_and_a_preemption(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """``chaos/scenarios/lm-shards.toml``: about a minute, plus its reference run."""
+    """``chaos/scenarios/lm-shards.toml``: about a minute and a half, plus its reference run."""
     scenario = load_scenario("lm-shards")
     options = RunOptions(workdir=tmp_path / "work", cache_dir=tmp_path_factory.mktemp("lm-shards-cache"),
                          progress=io.StringIO())
@@ -54,7 +54,7 @@ def test_the_lm_on_s3_shards_loses_no_sample_through_a_cold_cache_join_slow_and_
 
     assert not [f"{check.name}: {check.message}" for check in checks if not check.passed or check.skipped], text
     assert [record.kind for record in facts.faults if record.fired] == [
-        "add-node", "slow-storage", "storage-outage", "kill-worker"], text
+        "add-node", "slow-storage", "storage-outage", "kill-worker", "preempt-node"], text
     assert {step.world_size for step in facts.steps} == {1, 2}, text
     budget = int(scenario.job.args[scenario.job.args.index("--data-shards-cache-bytes") + 1])
     for node in ("node0", "node1"):  # the joining node's cache started empty and filled from S3, within its budget
