@@ -83,6 +83,7 @@ def test_reads_during_an_s3_outage_wait_and_return_the_right_bytes(s3_server: S3
     try:
         options = {**s3_server.options, "endpoint_url": proxy.endpoint}
         data = TokenWindows(ShardReader(uri, cache_dir=str(tmp_path / "cache"), storage_options=options), 32)
+        data.reader.fs.retries = 1  # s3fs's own retries (5, with backoff) only make each failed attempt slower
         proxy.set_down(True)
         got: list[list[int]] = []
         reader = threading.Thread(target=lambda: got.append(data[50][0].tolist()))
