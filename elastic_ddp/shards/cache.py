@@ -78,13 +78,15 @@ class ShardCache:
         """Where piece ``key`` (``NAME`` or ``FOLDER/NAME``) lies when cached."""
         return self.root / key
 
-    def get(self, key: str, size: int, sha256: str, fetch: Callable[[], bytes]) -> Path:
+    def get(self, key: str, size: int, sha256: str, fetch: Callable[[], bytes], *, hold_s: float = 0.0) -> Path:
         """The verified piece ``key`` (``size`` bytes, SHA-256 ``sha256``), fetched with ``fetch`` by this process
-        or another of the node when it is not cached yet. Its use time is refreshed (LRU)."""
+        or another of the node when it is not cached yet. Its use time is refreshed (LRU); with ``hold_s`` it is
+        set that far ahead, so the piece is evicted after every piece used until then (a piece fetched ahead is
+        held until it is read, when its use time becomes the read's)."""
         if key.startswith(".") or "/." in key or key.count("/") > 1 or key.endswith("/"):
             raise DataError(f"shard cache key {key!r} is not NAME or FOLDER/NAME (neither starting with '.')")
         target = self.root / key
-        if _touch(target):
+        if _touch(target, hold_s):
             self.stats.hits += 1
             return target
         if size > self.budget:
@@ -92,7 +94,7 @@ class ShardCache:
                                  f"({self.budget:,} bytes): raise the budget or build the index with smaller pieces")
         target.parent.mkdir(parents=True, exist_ok=True)
         with _flock(self.root / _LOCKS / _flat(key)):
-            if _touch(target):
+            if _touch(target, hold_s):
                 self.stats.waited_for_peer += 1
                 return target
             with self._reservation(key, size):
@@ -101,7 +103,7 @@ class ShardCache:
                 with open(partial, "wb") as handle:
                     handle.write(data)
                 os.replace(partial, target)
-                _touch(target)
+                _touch(target, hold_s)
         self.stats.fetched += 1
         self.stats.fetched_bytes += size
         return target
@@ -110,6 +112,10 @@ class ShardCache:
         """Bytes the cache holds or has reserved now: what the budget bounds."""
         reserved = sum(self._reservations().values())  # first: see _make_room
         return reserved + sum(size for _, size, _ in self._pieces())
+
+    def touch(self, key: str, ahead_s: float = 0.0) -> bool:
+        """Set piece ``key``'s use time to now plus ``ahead_s`` (see :meth:`get`); False when it is not cached."""
+        return _touch(self.root / key, ahead_s)
 
     def cached(self, key: str) -> bool:
         return (self.root / key).exists()
@@ -200,9 +206,9 @@ def _flat(key: str) -> str:
     return key.replace("/", "__")
 
 
-def _touch(path: Path) -> bool:
-    """Refresh ``path``'s use time; False when it is not there."""
-    now = time.time_ns()  # explicit: the kernel's own stamp is coarser than the order of two reads
+def _touch(path: Path, ahead_s: float = 0.0) -> bool:
+    """Set ``path``'s use time to now (plus ``ahead_s``); False when it is not there."""
+    now = time.time_ns() + int(ahead_s * 1e9)  # explicit: the kernel's own stamp is coarser than two reads apart
     try:
         os.utime(path, ns=(now, now))
         return True

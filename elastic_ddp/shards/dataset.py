@@ -90,13 +90,14 @@ class ShardReader:
     def piece_key(self, shard: int, piece: int) -> str:
         return f"{self.index.digest[:16]}/{self.index.shards[shard].name}.{piece:06d}"
 
-    def ensure(self, shard: int, piece: int) -> str:
-        """The local path of a verified piece, fetched if the node does not hold it yet."""
+    def ensure(self, shard: int, piece: int, hold_s: float = 0.0) -> str:
+        """The local path of a verified piece, fetched if the node does not hold it yet (``hold_s``: see
+        :meth:`ShardCache.get`)."""
         entry = self.index.shards[shard]
         start, stop = self.index.piece_range(entry, piece)
         path = f"{self._root}/{entry.name}"
         return str(self.cache.get(self.piece_key(shard, piece), stop - start, entry.pieces[piece],
-                                  lambda: self._fetch(path, start, stop)))
+                                  lambda: self._fetch(path, start, stop), hold_s=hold_s))
 
     def _fetch(self, path: str, start: int, stop: int) -> bytes:
         deadline, delay = time.monotonic() + self.read_timeout_s, 0.1

@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.01
 """How often the thread looks whether the committed position moved (a read of one attribute)."""
+HOLD_S = 60.0
+"""A planned piece's use time is set this far ahead, so least-recently-used eviction takes every piece read
+until then first: what was fetched ahead is not evicted before it is read (a read sets its use time to the
+read's). A piece the plan dropped (a world-size change) is held at most this long."""
 
 
 class Prefetcher:
@@ -95,11 +99,15 @@ class Prefetcher:
             while not self._stop.is_set():
                 if self.sampler.position != position:
                     position = self.sampler.position
-                    todo = deque(p for p in self.plan(position) if not self.reader.cache.cached(self.reader.piece_key(*p)))
+                    todo = deque()
+                    for planned in self.plan(position):  # cached ones are held, the others fetched (and held)
+                        if not self.reader.cache.touch(self.reader.piece_key(*planned), HOLD_S):
+                            todo.append(planned)
                     self.planned_pieces += len(todo)
                 running = {future for future in running if not future.done()}
                 while todo and len(running) < self.inflight:
-                    future = pool.submit(self.reader.ensure, *todo.popleft())
+                    shard, piece = todo.popleft()
+                    future = pool.submit(self.reader.ensure, shard, piece, HOLD_S)
                     future.add_done_callback(self._failed)
                     running.add(future)
                 self._stop.wait(POLL_S)
@@ -109,3 +117,4 @@ class Prefetcher:
         if error is not None and self.error is None:
             self.error = error
             logger.warning("shard prefetch: %s (a worker that needs the piece will fetch it and raise if it fails again)", error)
+

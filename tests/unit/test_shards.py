@@ -181,6 +181,21 @@ def test_the_cache_evicts_the_least_recently_used_piece_to_stay_within_its_budge
     assert cache.usage() == 2000 and cache.stats.evicted == 1
 
 
+def test_a_piece_fetched_ahead_is_held_until_it_is_read_then_ages_as_any_other(tmp_path: Path) -> None:
+    cache = ShardCache(tmp_path, 3500)
+    pieces = {n: _piece(n) for n in range(6)}
+    cache.get("d/0", 1000, pieces[0][1], lambda: pieces[0][0], hold_s=60)  # the prefetcher's: read later
+    for n in (1, 2, 3):  # reads of the current steps: d/1 is the oldest of them when d/3 needs room
+        cache.get(f"d/{n}", 1000, pieces[n][1], lambda n=n: pieces[n][0])
+    assert cache.cached("d/0") and not cache.cached("d/1")
+    cache.get("d/0", 1000, pieces[0][1], lambda: pytest.fail("a held piece was fetched again"))  # read: held no more
+    for n in (4, 5):
+        cache.get(f"d/{n}", 1000, pieces[n][1], lambda n=n: pieces[n][0])
+    assert not cache.cached("d/2") and not cache.cached("d/3") and cache.cached("d/0")
+    cache.get("d/1", 1000, pieces[1][1], lambda: pieces[1][0])
+    assert not cache.cached("d/0"), "once read, the piece is evicted in least-recently-used order"
+
+
 def test_a_piece_larger_than_the_whole_budget_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(CacheFullError, match="more than the shard cache's whole budget"):
         ShardCache(tmp_path, 999).get("d/0", 1000, _piece(0)[1], lambda: _piece(0)[0])
