@@ -5,7 +5,9 @@ next step, and the sampler's split gives this rank's samples of each at the curr
 :class:`Prefetcher` walks the next ``steps`` steps, maps this rank's samples to the pieces that hold them,
 and has the node's cache fetch the missing ones in order of need, at most ``inflight`` at a time (each holds
 one piece in memory), and at most ``max_bytes`` ahead of the committed position (a quarter of the cache's
-budget, shared by the node's ranks). Whenever the committed position moves it plans again from there.
+budget, shared by the node's ranks). Whenever the committed position moves it plans again from there,
+looking only at pieces that entered the window since: one it fetched or found cached before may have been
+read by a worker and evicted since, and fetching it again would be for nothing.
 After a world-size change the new workers build a new sampler and a new prefetcher, so the plan is the new
 split's from their first step.
 
@@ -53,6 +55,8 @@ class Prefetcher:
         self.error: BaseException | None = None
         """The first fetch that failed (the reader raises it again when a worker needs that piece)."""
         self.planned_pieces = 0
+        self.settled_at: DataPosition | None = None
+        """The committed position whose window is fetched (or failed): nothing planned is left in flight."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic_ddp-prefetch", daemon=True)
 
@@ -95,16 +99,27 @@ class Prefetcher:
         with ThreadPoolExecutor(max_workers=self.inflight, thread_name_prefix="elastic_ddp-fetch") as pool:
             position: DataPosition | None = None
             todo: deque[tuple[int, int]] = deque()
+            seen: set[tuple[int, int]] = set()
             running: set[Future[str]] = set()
             while not self._stop.is_set():
                 if self.sampler.position != position:
                     position = self.sampler.position
+                    window = self.plan(position)
+                    # Each piece is looked at once while it stays in the window: one found cached (and held) or
+                    # fetched for an earlier position may since have been read by a worker and evicted, and
+                    # fetching it again would be for nothing; a worker that still needs it fetches it itself.
+                    seen.intersection_update(window)
                     todo = deque()
-                    for planned in self.plan(position):  # cached ones are held, the others fetched (and held)
+                    for planned in window:
+                        if planned in seen:
+                            continue
+                        seen.add(planned)
                         if not self.reader.cache.touch(self.reader.piece_key(*planned), HOLD_S):
                             todo.append(planned)
                     self.planned_pieces += len(todo)
                 running = {future for future in running if not future.done()}
+                if not todo and not running:
+                    self.settled_at = position
                 while todo and len(running) < self.inflight:
                     shard, piece = todo.popleft()
                     future = pool.submit(self.reader.ensure, shard, piece, HOLD_S)

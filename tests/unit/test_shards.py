@@ -333,6 +333,28 @@ def test_prefetch_fetches_exactly_this_ranks_next_pieces_and_follows_the_cursor(
     assert data.reader.cache.stats.fetched == len(set(first) | set(later)) and prefetcher.error is None
 
 
+def test_prefetch_looks_at_a_piece_once_while_it_stays_in_the_window(tokens: tuple[Path, list[np.ndarray]]) -> None:
+    """A piece fetched ahead that a worker read and the cache evicted before the position moved is not fetched
+    again by the prefetcher (the worker already has its bytes); pieces new to the window are."""
+    root, _ = tokens
+    data = TokenWindows(_reader(root, root.parent / "cache"), 16)
+    sampler = ElasticSampler(len(data), global_batch_size=8, seed=5, rank=0, world_size=1)
+    with data.prefetch(sampler, steps=3, inflight=2) as prefetcher:
+        first = prefetcher.plan(sampler.position)
+        _wait(lambda: prefetcher.settled_at == sampler.position)
+        sampler.commit(sampler.plan())
+        after = prefetcher.plan(sampler.position)
+        _wait(lambda: prefetcher.settled_at == sampler.position)
+        kept = [p for p in first if p in after]
+        assert kept, "the windows overlap"
+        data.reader.cache.path(data.reader.piece_key(*kept[-1])).unlink()  # read, then evicted
+        sampler.commit(sampler.plan())
+        later = prefetcher.plan(sampler.position)
+        _wait(lambda: prefetcher.settled_at == sampler.position)
+    assert kept[-1] in later and not data.reader.cache.cached(data.reader.piece_key(*kept[-1]))
+    assert data.reader.cache.stats.fetched == len(set(first) | set(after) | set(later)), "a piece was fetched twice"
+
+
 def _local_ids(sampler: ElasticSampler, steps_ahead: int) -> list[int]:
     position = sampler.position
     for _ in range(steps_ahead):
