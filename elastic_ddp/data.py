@@ -160,6 +160,10 @@ class ElasticSampler:
         # The loader's iterator may run an epoch ahead of the trainer: keep the two newest epochs.
         self._permutations: dict[int, torch.Tensor] = {}
         self._micro_batches: tuple[StepPlan, list[list[int]]] | None = None
+        self.dispatched: DataPosition | None = None
+        """The step the newest iterator is handing to the loader (every micro-batch of this rank before it has
+        gone), which may load steps ahead of the committed position (its workers' prefetch). None: no iterator
+        yet."""
         self.last_commit: StepPlan | None = None
         """The plan of the newest :meth:`commit` of this process (None before the first): the runtime's sample
         ledger records it at the step boundary."""
@@ -244,11 +248,11 @@ class ElasticSampler:
     # -- batch sampler protocol --------------------------------------------------
 
     def __iter__(self) -> Iterator[list[int]]:
-        position = self.position
+        position = self.dispatched = self.position
         while True:
             plan = self.plan(position)
             yield from self.local_micro_batches(plan)
-            position = plan.next_position
+            position = self.dispatched = plan.next_position
 
 
 def check_delivered(batch: Any, expected: list[int], rank: int, step: int, plan: StepPlan) -> None:

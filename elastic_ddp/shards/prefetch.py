@@ -5,9 +5,11 @@ next step, and the sampler's split gives this rank's samples of each at the curr
 :class:`Prefetcher` walks the next ``steps`` steps, maps this rank's samples to the pieces that hold them,
 and has the node's cache fetch the missing ones in order of need, at most ``inflight`` at a time (each holds
 one piece in memory), and at most ``max_bytes`` ahead of the committed position (a quarter of the cache's
-budget, shared by the node's ranks). Whenever the committed position moves it plans again from there,
-looking only at pieces that entered the window since: one it fetched or found cached before may have been
-read by a worker and evicted since, and fetching it again would be for nothing.
+budget, shared by the node's ranks). The first window starts at the committed position; later ones after
+the steps the DataLoader was handed (``sampler.dispatched``; its workers read those, up to
+``num_workers × prefetch_factor`` micro-batches ahead), and each is planned again when that moves, looking
+only at pieces new to the window: one read by a worker may have been evicted since, and fetching it again
+would be for nothing.
 After a world-size change the new workers build a new sampler and a new prefetcher, so the plan is the new
 split's from their first step.
 
@@ -56,7 +58,7 @@ class Prefetcher:
         """The first fetch that failed (the reader raises it again when a worker needs that piece)."""
         self.planned_pieces = 0
         self.settled_at: DataPosition | None = None
-        """The committed position whose window is fetched (or failed): nothing planned is left in flight."""
+        """The position whose window is fetched (or failed): nothing planned is left in flight."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastic_ddp-prefetch", daemon=True)
 
@@ -102,21 +104,28 @@ class Prefetcher:
             seen: set[tuple[int, int]] = set()
             running: set[Future[str]] = set()
             while not self._stop.is_set():
-                if self.sampler.position != position:
-                    position = self.sampler.position
+                # The first window starts at the committed position: nothing is read yet, and fetching several
+                # pieces at once beats a worker's reads one after another. Later ones start after the steps the
+                # loader was handed (its workers load up to num_workers x prefetch_factor micro-batches ahead):
+                # those were read, and may have been evicted since.
+                now = self.sampler.position if position is None else (self.sampler.dispatched or self.sampler.position)
+                if now != position:
+                    position = now
                     window = self.plan(position)
                     # Each piece is looked at once while it stays in the window: one found cached (and held) or
                     # fetched for an earlier position may since have been read by a worker and evicted, and
                     # fetching it again would be for nothing; a worker that still needs it fetches it itself.
-                    seen.intersection_update(window)
-                    todo = deque()
+                    # Pieces still to fetch from the window before stay queued (the first window's above all:
+                    # the workers are reading those steps now, slower than the fetches at once).
+                    seen.intersection_update(set(window) | set(todo))
+                    before = len(todo)
                     for planned in window:
                         if planned in seen:
                             continue
                         seen.add(planned)
                         if not self.reader.cache.touch(self.reader.piece_key(*planned), HOLD_S):
                             todo.append(planned)
-                    self.planned_pieces += len(todo)
+                    self.planned_pieces += len(todo) - before
                 running = {future for future in running if not future.done()}
                 if not todo and not running:
                     self.settled_at = position

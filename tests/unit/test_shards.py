@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ddp.data import ElasticSampler
+from elastic_ddp.data import DataPosition, ElasticSampler
 from elastic_ddp.errors import DataError
 from elastic_ddp.shards import (
     CacheFullError,
@@ -353,6 +353,38 @@ def test_prefetch_looks_at_a_piece_once_while_it_stays_in_the_window(tokens: tup
         _wait(lambda: prefetcher.settled_at == sampler.position)
     assert kept[-1] in later and not data.reader.cache.cached(data.reader.piece_key(*kept[-1]))
     assert data.reader.cache.stats.fetched == len(set(first) | set(after) | set(later)), "a piece was fetched twice"
+
+
+def test_after_its_first_window_prefetch_starts_past_the_steps_the_loader_was_handed(tmp_path: Path) -> None:
+    """The loader's workers read the steps they were handed themselves: the prefetcher's later windows start after
+    them, not at the committed position (those pieces were read, and a tight cache may have evicted them)."""
+    root = tmp_path / "many"
+    _token_shards(root, tuple([2049] * 12))  # 12 shards of 2 pieces: most steps touch pieces the others do not
+    build_index(str(root), FS, kind="tokens", dtype="uint16", piece_bytes=PIECE)
+    data = TokenWindows(_reader(root, tmp_path / "cache"), 16)
+    sampler = ElasticSampler(len(data), global_batch_size=4, seed=9, rank=0, world_size=1)
+    batches = iter(sampler)  # what the DataLoader iterates
+    with data.prefetch(sampler, steps=1, inflight=2) as prefetcher:
+        first = prefetcher.plan(sampler.position)  # nothing handed to the loader yet: the committed position's step
+        _wait(lambda: prefetcher.settled_at == sampler.position)
+        for _ in range(4):
+            next(batches)  # the loader takes steps 0 to 3 (one micro-batch each)
+        handed = sampler.dispatched  # the step being handed now (3): steps 1 and 2 are the workers' alone
+        sampler.commit(sampler.plan())
+        _wait(lambda: prefetcher.settled_at == handed)
+        window = prefetcher.plan(handed)
+    skipped = {p for step in (1, 2) for p in _step_pieces(data, sampler, step)} - set(first) - set(window)
+    assert skipped, "steps 1 and 2 touch pieces of their own"
+    assert not any(data.reader.cache.cached(data.reader.piece_key(*p)) for p in skipped)
+    assert data.reader.cache.stats.fetched == len(set(first) | set(window))
+
+
+def _step_pieces(data: TokenWindows, sampler: ElasticSampler, step: int) -> list[tuple[int, int]]:
+    position = sampler.plan(DataPosition()).next_position if step else DataPosition()
+    for _ in range(step - 1):
+        position = sampler.plan(position).next_position
+    plan = sampler.plan(position)
+    return data.reader.pieces([r for i in sampler.global_ids(plan).tolist() for r in data.byte_ranges(i)])
 
 
 def _local_ids(sampler: ElasticSampler, steps_ahead: int) -> list[int]:
