@@ -306,13 +306,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._fork_server_started = False
         self._local_addr_given = True
         self._members: tuple[int, frozenset[_NodeDesc]] | None = None
-        """The round this node trains in, and its participants (a peer missing from them later is gone)."""
-        self._probes: dict[_NodeDesc, str] = {}
-        """Each member's probe listener (``host:port``) in that round: whether a gone peer's agent still runs."""
-        self._answered_until = 0.0
-        """Until then (monotonic), the gone peers' agents are taken to run, as they answered last time."""
         self._report: tuple[int, _Background[reach.Report]] | None = None
         """This node's reachability report for a round, being made since the round formed."""
+        """The round this node trains in, and its participants (a peer missing from them later is gone)."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     @classmethod
@@ -429,9 +425,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _training_in(self, info: RendezvousInfo) -> RendezvousInfo:
         state = self._state_holder.state
         self._members = (state.round, frozenset(state.participants))
-        formed = self._rounds_state().formed
-        self._probes = {member.node: member.probe for member in formed.members} if formed is not None else {}
-        self._answered_until = 0.0
         return info
 
     def _step_out(self, left_out: frozenset[int], world_size: int) -> None:
@@ -627,7 +620,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if len(state.participants) >= len(members):  # the round's participants only ever lose members: a
             return False  # count, not a set difference, on each of the agent's ten polls a second
         gone = members - state.participants.keys()
-        if not gone or self._agents_answer(gone):
+        if not gone:
             return False
         names = sorted(map(str, gone))
         logger.warning(
@@ -637,28 +630,6 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._settings.run_id,
         )  # fmt: skip
         self._members = None  # once per round: the agent restarts the group and re-joins
-        return True
-
-    def _agents_answer(self, gone: frozenset[_NodeDesc]) -> bool:
-        """Whether every gone peer's agent still runs and this node reaches it: its probe listener answers
-        (``reach.answers``, within a second). Such a peer lost only etcd (its keep-alives, so its lease):
-        its workers still train with this node's, and restarting them would stop the job for nothing; it
-        re-joins by itself once it reaches etcd again. A killed agent refuses, a frozen or unreachable one
-        does not answer: those are gone. Asked again every ``keep_alive_interval``, not on every poll."""
-        now = time.monotonic()
-        if now < self._answered_until:
-            return True
-        addresses = [reach.parse_address(self._probes.get(node, "").encode()) for node in gone]
-        timeout = min(1.0, self._reach_timeout or 1.0)
-        if any(address is None or not reach.answers(address, timeout) for address in addresses):
-            return False
-        if not self._answered_until:
-            logger.warning(
-                "etcd-v3: %s left round %d of rendezvous %s in etcd (its lease expired), but its agent answers: it "
-                "lost etcd, not this node; training goes on, and it re-joins once it reaches etcd",
-                ", ".join(sorted(map(str, gone))[:3]), self._members[0] if self._members else -1, self._settings.run_id,
-            )  # fmt: skip
-        self._answered_until = now + self._settings.keep_alive_interval.total_seconds()
         return True
 
 
