@@ -268,27 +268,22 @@ def cmd_shards_index(args: argparse.Namespace) -> int:
 
 
 def cmd_shards_verify(args: argparse.Namespace) -> int:
-    import hashlib
-
     from elastic_ddp.shards import load_index
+    from elastic_ddp.shards.index import shard_digests
 
     fs = _shards_fs(args.uri, args.options)
     index = load_index(args.uri, fs)  # sizes checked here
     root = fs._strip_protocol(args.uri).rstrip("/")
     failed = 0
     for shard in index.shards:
-        whole, bad = hashlib.sha256(), []
         with fs.open(f"{root}/{shard.name}", "rb") as handle:
-            for number, expected in enumerate(shard.pieces):
-                block = handle.read(index.piece_bytes)
-                whole.update(block)
-                if hashlib.sha256(block).hexdigest() != expected:
-                    bad.append(number)
-        if bad or whole.hexdigest() != shard.sha256:
+            whole, pieces, _ = shard_digests(handle, index.piece_bytes)  # the size was checked on load
+        bad = [number for number, (got, expected) in enumerate(zip(pieces, shard.pieces)) if got != expected]
+        if bad or whole != shard.sha256:
             failed += 1
             print(f"FAIL  {shard.name}: pieces {', '.join(map(str, bad[:10])) or 'none'}"
                   f"{' …' if len(bad) > 10 else ''} do not match; whole-shard SHA-256 "
-                  f"{'matches' if whole.hexdigest() == shard.sha256 else 'does not match'}")
+                  f"{'matches' if whole == shard.sha256 else 'does not match'}")
         else:
             print(f"ok    {shard.name} ({shard.bytes:,} bytes, {len(shard.pieces)} pieces)")
     print(f"{len(index.shards) - failed} of {len(index.shards)} shards match {args.uri.rstrip('/')}/index.json")

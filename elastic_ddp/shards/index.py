@@ -23,7 +23,7 @@ import json
 import posixpath
 import re
 import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,22 +252,18 @@ def build_index(uri: str, fs: fsspec.AbstractFileSystem, *, kind: str, pattern: 
             raise DataError(f"{uri}: shard name {name!r} is not a plain file name (letters, digits, '.', '_', '-'; "
                             "not starting with '.')")
         path = posixpath.join(root, name)
-        whole, pieces, size = hashlib.sha256(), [], 0
         with fs.open(path, "rb") as handle:
-            for block in _blocks(handle, piece_bytes):
-                whole.update(block)
-                pieces.append(hashlib.sha256(block).hexdigest())
-                size += len(block)
+            whole, pieces, size = shard_digests(handle, piece_bytes)
         if size == 0:
             raise DataError(f"{uri}: shard {name} is empty")
         if kind == "tokens":
             if size % itemsize:
                 raise DataError(f"{uri}: shard {name} has {size} bytes, not a whole number of {dtype} tokens")
-            shard = Shard(name, size, whole.hexdigest(), tuple(pieces), tokens=size // itemsize)
+            shard = Shard(name, size, whole, tuple(pieces), tokens=size // itemsize)
         else:
             with fs.open(path, "rb") as handle:
                 samples = tar_samples(handle, f"{uri}/{name}")
-            shard = Shard(name, size, whole.hexdigest(), tuple(pieces), samples=samples)
+            shard = Shard(name, size, whole, tuple(pieces), samples=samples)
         shards.append(shard)
         if progress is not None:
             progress(f"[{number}/{len(names)}] {name}: {size:,} bytes, {len(pieces)} pieces"
@@ -278,12 +274,14 @@ def build_index(uri: str, fs: fsspec.AbstractFileSystem, *, kind: str, pattern: 
     return parse_index(data, f"{uri}/{INDEX_NAME}")
 
 
-def _blocks(handle: Any, size: int) -> Iterator[bytes]:
-    while True:
-        block = handle.read(size)
-        if not block:
-            return
-        yield block
+def shard_digests(handle: Any, piece_bytes: int) -> tuple[str, list[str], int]:
+    """Read an open shard to its end: its SHA-256, the SHA-256 of each ``piece_bytes`` piece, and its size."""
+    whole, pieces, size = hashlib.sha256(), [], 0
+    while block := handle.read(piece_bytes):
+        whole.update(block)
+        pieces.append(hashlib.sha256(block).hexdigest())
+        size += len(block)
+    return whole.hexdigest(), pieces, size
 
 
 def tar_samples(handle: Any, where: str) -> tuple[tuple[str, tuple[Member, ...]], ...]:

@@ -55,8 +55,7 @@ class Prefetcher:
         (torchrun's ``LOCAL_WORLD_SIZE``): the pieces fetched ahead must not evict those the workers read now, or
         they are evicted themselves before they are read, and everything is downloaded twice."""
         self.error: BaseException | None = None
-        """The first fetch that failed (the reader raises it again when a worker needs that piece)."""
-        self.planned_pieces = 0
+        """The first fetch that failed (logged; a worker that needs that piece fetches it itself, and raises)."""
         self.settled_at: DataPosition | None = None
         """The position whose window is fetched (or failed): nothing planned is left in flight."""
         self._stop = threading.Event()
@@ -118,14 +117,12 @@ class Prefetcher:
                     # Pieces still to fetch from the window before stay queued (the first window's above all:
                     # the workers are reading those steps now, slower than the fetches at once).
                     seen.intersection_update(set(window) | set(todo))
-                    before = len(todo)
                     for planned in window:
                         if planned in seen:
                             continue
                         seen.add(planned)
                         if not self.reader.cache.touch(self.reader.piece_key(*planned), HOLD_S):
                             todo.append(planned)
-                    self.planned_pieces += len(todo) - before
                 running = {future for future in running if not future.done()}
                 if not todo and not running:
                     self.settled_at = position
