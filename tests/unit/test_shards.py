@@ -364,13 +364,12 @@ def test_after_its_first_window_prefetch_starts_past_the_steps_the_loader_was_ha
     data = TokenWindows(_reader(root, tmp_path / "cache"), 16)
     sampler = ElasticSampler(len(data), global_batch_size=4, seed=9, rank=0, world_size=1)
     batches = iter(sampler)  # what the DataLoader iterates
+    for _ in range(4):
+        next(batches)  # the loader takes steps 0 to 3 (one micro-batch each) before the prefetcher first looks
+    handed = sampler.dispatched  # the step being handed now (3): steps 1 and 2 are the workers' alone
+    assert handed is not None and handed != sampler.position
     with data.prefetch(sampler, steps=1, inflight=2) as prefetcher:
-        first = prefetcher.plan(sampler.position)  # nothing handed to the loader yet: the committed position's step
-        _wait(lambda: prefetcher.settled_at == sampler.position)
-        for _ in range(4):
-            next(batches)  # the loader takes steps 0 to 3 (one micro-batch each)
-        handed = sampler.dispatched  # the step being handed now (3): steps 1 and 2 are the workers' alone
-        sampler.commit(sampler.plan())
+        first = prefetcher.plan(sampler.position)  # the cold start: the committed position's step
         _wait(lambda: prefetcher.settled_at == handed)
         window = prefetcher.plan(handed)
     skipped = {p for step in (1, 2) for p in _step_pieces(data, sampler, step)} - set(first) - set(window)
