@@ -236,7 +236,11 @@ class _RoundsExecutor(_RendezvousOpExecutor):
             self._handler.start_report(formed)
         elif isinstance(state_handler, _RendezvousExitOp):
             if self.leaving:
-                self._rounds.leave()
+                trained_in = self._holder.formed
+                if trained_in is not None:  # tell the members of its round it leaves (it holds a key there)
+                    self._rounds.depart(trained_in, self._handler.member())
+                else:
+                    self._rounds.leave()
                 self._holder.left()
         elif isinstance(state_handler, _RendezvousCloseOp):
             self._rounds.close_job()
@@ -306,9 +310,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._fork_server_started = False
         self._local_addr_given = True
         self._members: tuple[int, frozenset[_NodeDesc]] | None = None
+        """The round this node trains in, and its participants (a peer missing from them later is gone)."""
+        self._probes: dict[_NodeDesc, str] = {}
+        """Each member's probe listener (``host:port``) in that round: whether a gone peer's agent still runs."""
+        self._answered_until = 0.0
+        """Until then (monotonic), the gone peers' agents are taken to run, as they answered last time."""
         self._report: tuple[int, _Background[reach.Report]] | None = None
         """This node's reachability report for a round, being made since the round formed."""
-        """The round this node trains in, and its participants (a peer missing from them later is gone)."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     @classmethod
@@ -425,6 +433,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _training_in(self, info: RendezvousInfo) -> RendezvousInfo:
         state = self._state_holder.state
         self._members = (state.round, frozenset(state.participants))
+        formed = self._rounds_state().formed
+        self._probes = {member.node: member.probe for member in formed.members} if formed is not None else {}
+        self._answered_until = 0.0
         return info
 
     def _step_out(self, left_out: frozenset[int], world_size: int) -> None:
@@ -610,7 +621,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         cut off from etcd), or it left. A peer gone silently may leave this node's workers blocked in
         a collective that never fails (NCCL's; gloo's when the peer's connections stay open), and torch's
         agent restarts its workers only when they fail or other nodes wait. Counting a waiting node makes it
-        stop them (their group watch abandons the blocked step) and re-form without the peer."""
+        stop them (their group watch abandons the blocked step) and re-form without the peer.
+
+        A peer whose lease expired while its agent still answers this node's probe lost etcd alone
+        (:meth:`_agents_answer`): its workers train on with this node's, and it re-joins by itself once it reaches
+        etcd. A peer that marked its key as leaving (:meth:`.Rounds.depart`) is gone whether its agent answers or
+        not."""
         if self._members is None:
             return False
         round_, members = self._members
@@ -622,6 +638,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         gone = members - state.participants.keys()
         if not gone:
             return False
+        watch = self._rounds_state().watch
+        left = watch.view.left if watch is not None else set()
+        if not any(node_key(node) in left for node in gone) and self._agents_answer(gone):
+            return False  # lost etcd alone, still training with this node
         names = sorted(map(str, gone))
         logger.warning(
             "etcd-v3: %s of round %d of rendezvous %s left the round (lease expired or left); restarting "
@@ -630,6 +650,28 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._settings.run_id,
         )  # fmt: skip
         self._members = None  # once per round: the agent restarts the group and re-joins
+        return True
+
+    def _agents_answer(self, gone: frozenset[_NodeDesc]) -> bool:
+        """Whether every gone peer's agent still runs and this node reaches it: its probe listener answers
+        (``reach.answers``, within a second). Such a peer lost only etcd (its keep-alives, so its lease):
+        its workers still train with this node's, and restarting them would stop the job for nothing; it
+        re-joins by itself once it reaches etcd again. A killed agent refuses, a frozen or unreachable one
+        does not answer: those are gone. Asked again every ``keep_alive_interval``, not on every poll."""
+        now = time.monotonic()
+        if now < self._answered_until:
+            return True
+        addresses = [reach.parse_address(self._probes.get(node, "").encode()) for node in gone]
+        timeout = min(1.0, self._reach_timeout or 1.0)
+        if any(address is None or not reach.answers(address, timeout) for address in addresses):
+            return False
+        if not self._answered_until:
+            logger.warning(
+                "etcd-v3: %s left round %d of rendezvous %s in etcd without leaving (its lease expired, or it is "
+                "re-joining), and its agent answers: it trains on with this node, and re-joins once it reaches etcd",
+                ", ".join(sorted(map(str, gone))[:3]), self._members[0] if self._members else -1, self._settings.run_id,
+            )  # fmt: skip
+        self._answered_until = now + self._settings.keep_alive_interval.total_seconds()
         return True
 
 

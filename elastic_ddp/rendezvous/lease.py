@@ -45,6 +45,12 @@ class LeaseKeeper:
         """The lease TTL in seconds."""
         return self._ttl
 
+    @property
+    def granted(self) -> int | None:
+        """The lease id as last granted (``None``: none), without asking etcd whether it still lives."""
+        with self._lock:
+            return self._lease_id
+
     def write(self, put: Callable[[int], T]) -> T:
         """Call ``put(lease_id)``; on a lease that etcd no longer knows, grant a new one and call it again."""
         lease_id = self.current()

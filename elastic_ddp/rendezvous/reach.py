@@ -52,15 +52,19 @@ VERDICT_KEY = "reach/verdict"
 PROBES = 3
 """How many ring neighbours each node probes per round (and at most how many probe it)."""
 JUDGE = 0
+ALIVE = b"+"
+"""What a running agent's listener writes to every connection."""
 _NONE = "-"
 """How an empty rank list is written (a store value must not be empty: compare-and-set reads b"" as missing)."""
 
 
 class ProbeListener:
-    """A TCP listener that accepts and closes every connection: the other agents' probe target.
+    """A TCP listener that accepts every connection, writes :data:`ALIVE` to it and closes it: the other agents'
+    probe target.
 
-    The kernel completes a connection before ``accept`` runs, so a busy agent answers as fast as
-    its network does."""
+    The kernel completes a connection before ``accept`` runs, so a busy agent is reached as fast as its network
+    allows (:func:`reaches`); the byte comes from the agent itself, so only a running agent answers
+    (:func:`answers`): a frozen one's kernel still completes connections."""
 
     def __init__(self, host: str, bind: str | None = None) -> None:
         """Listen on ``bind`` (default ``host``; ``""``: every interface) and advertise ``host``."""
@@ -87,7 +91,12 @@ class ProbeListener:
                 connection, _ = self._socket.accept()
             except OSError:
                 return  # closed
-            connection.close()
+            try:
+                connection.sendall(ALIVE)
+            except OSError:
+                pass  # a reachability probe closes at once
+            finally:
+                connection.close()
 
     def close(self) -> None:
         try:
@@ -116,6 +125,17 @@ def reaches(address: tuple[str, int], timeout: float) -> bool:
     try:
         with socket.create_connection(address, timeout=timeout):
             return True
+    except OSError:
+        return False
+
+
+def answers(address: tuple[str, int], timeout: float) -> bool:
+    """Whether the agent listening at ``address`` is running: it sends :data:`ALIVE` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection(address, timeout=timeout) as connection:
+            connection.settimeout(max(0.01, deadline - time.monotonic()))
+            return connection.recv(len(ALIVE)) == ALIVE
     except OSError:
         return False
 

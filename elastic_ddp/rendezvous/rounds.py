@@ -35,6 +35,7 @@ run id used again after its nodes are gone starts afresh once ``ttl`` has passed
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -52,7 +53,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ddp.rendezvous._torch_compat import _NodeDesc
 from elastic_ddp.rendezvous.client import Absent, Delete, EtcdClient, KeyValue, Op, Put, Read, TxnResult, Watch
-from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdStateError
+from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdLeaseNotFoundError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ _ROUND_DIGITS = 10
 _MAX_VALUE_BYTES = 1024
 """The most a node key's value may hold (a descriptor and a probe address)."""
 _MAX_MEMBERS = 1_000_000
+_LEAVING = "leaving"
 
 
 def node_key(node: _NodeDesc) -> str:
@@ -75,29 +77,33 @@ class Member:
     node: _NodeDesc
     probe: str = ""
     """``host:port`` of the node's reachability probe listener; empty without one."""
+    leaving: bool = False
+    """The node is leaving its round on purpose (:meth:`Rounds.depart`): its key goes next."""
 
     @property
     def key(self) -> str:
         return node_key(self.node)
 
     def encode(self) -> list[object]:
-        """``[addr, pid, local_id, probe]``: every agent decodes every member of each round it is in, so the
-        form is a flat list (half the bytes of an object, and a decode without lookups)."""
-        return [self.node.addr, self.node.pid, self.node.local_id, self.probe]
+        """``[addr, pid, local_id, probe]``, and ``"leaving"`` after them when :attr:`leaving`: every agent decodes
+        every member of each round it is in, so the form is a flat list (half the bytes of an object, and a decode
+        without lookups)."""
+        fields: list[object] = [self.node.addr, self.node.pid, self.node.local_id, self.probe]
+        return [*fields, _LEAVING] if self.leaving else fields
 
     @staticmethod
     def decode(value: object) -> Member:
         """Raises ``ValueError`` unless ``value`` is a well-formed descriptor (:meth:`encode`)."""
-        if type(value) is not list or len(value) != 4:
-            raise ValueError("a node descriptor is not a list [addr, pid, local_id, probe]")
-        addr, pid, local_id, probe = value
+        if type(value) is not list or len(value) not in (4, 5) or value[4:] not in ([], [_LEAVING]):
+            raise ValueError('a node descriptor is not a list [addr, pid, local_id, probe] (or [..., "leaving"])')
+        addr, pid, local_id, probe = value[:4]
         if type(addr) is not str or not addr or len(addr) > 255:
             raise ValueError("a node descriptor's addr is not a host name")
         if type(pid) is not int or type(local_id) is not int or pid < 0 or local_id < 0:  # type() excludes bool
             raise ValueError("a node descriptor's pid or local_id is not a non-negative integer")
         if type(probe) is not str or len(probe) > 300:
             raise ValueError("a node descriptor's probe address is not a string")
-        return Member(_NodeDesc(addr, pid, local_id), probe)
+        return Member(_NodeDesc(addr, pid, local_id), probe, leaving=len(value) == 5)
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ class RunningView:
     formed: Formed
     alive: set[str] = field(default_factory=set)
     """Node keys of the round's members whose key still exists."""
+    left: set[str] = field(default_factory=set)
+    """Node keys of the watched members that marked their key as leaving (:meth:`Rounds.depart`): gone on purpose."""
     waiting: dict[str, _NodeDesc] = field(default_factory=dict)
     """The next round's closer, once it exists: the first node waiting for that round."""
     error: EtcdConnectionError | None = None
@@ -270,6 +278,22 @@ class Rounds:
             logger.info("etcd-v3: round %d formed with max_nodes=%d others; this node waits for the next",
                         formed.round, self._rules.max_nodes)
             previous = formed
+
+    def depart(self, formed: Formed, me: Member) -> None:
+        """Leave ``formed``, the round this node trains in, on purpose (its agent leaves the job, or the node steps
+        out): mark its key as leaving, then :meth:`leave`. The members that watch the key (:class:`RoundWatch`) so
+        tell a node that left from one whose lease expired, which may have lost etcd alone and still train with
+        them. One write more than :meth:`leave`; none when the key or the lease is gone already."""
+        key = self._join_key(formed.round, me)
+        with self._lock:
+            held = key in self._held
+        lease = self._liveness.granted
+        if held and lease is not None:
+            try:
+                self._client.put(key, _descriptor(dataclasses.replace(me, leaving=True)), lease)
+            except EtcdLeaseNotFoundError:
+                pass  # expired: etcd deleted the key with it
+        self.leave()
 
     def leave(self) -> None:
         """Revoke this node's liveness lease: etcd deletes every key under it at once, in one write (its node
@@ -564,8 +588,11 @@ class RoundWatch:
     first node to join the next round creates it). A peer gone is seen by the members before it on the ring,
     which re-join at once, and that join is the next round's first: everyone else sees it as a node waiting.
     So a node learns of any change from one event, and a re-formation in which every node moves costs each
-    node a few events, not every other node's moves. It stops at the first change (the agent then restarts
-    its workers and re-joins)."""
+    node a few events, not every other node's moves. It stops once a node waits or this node's own key is gone
+    (the agent then restarts its workers and re-joins), not at a peer gone: one whose lease expired while its
+    agent answers lost etcd alone, and the node trains on with it (``EtcdRendezvousHandler._peer_gone``); the
+    watch must still see the next round open. Etcd orders events per key, not across the watched keys, so a
+    re-joining peer's key may be seen gone before the closer key its join created."""
 
     def __init__(self, rounds: Rounds, formed: Formed, me: Member) -> None:
         self.view = RunningView(formed, alive={member.key for member in formed.members})
@@ -590,9 +617,10 @@ class RoundWatch:
             watch.close()  # wakes the thread
 
     @property
-    def changed(self) -> bool:
+    def settled(self) -> bool:
+        """Nothing left to watch for: a node waits, or this node's own key is gone."""
         view = self.view
-        return bool(view.waiting) or len(view.alive) != len(view.formed.members)
+        return bool(view.waiting) or self._me.key not in view.alive
 
     def _run(self) -> None:
         client = self._rounds._client
@@ -601,7 +629,7 @@ class RoundWatch:
         slice_s = self._rounds._rules.keep_alive_interval.total_seconds()
         watch: Watch | None = None
         try:
-            while not self._stop.is_set() and not self.changed:
+            while not self._stop.is_set() and not self.settled:
                 try:
                     if watch is None:
                         watch = self._watch = client.watch_keys(keys, revision)
@@ -632,6 +660,8 @@ class RoundWatch:
         if name is not None:
             if kv is None:
                 view.alive.discard(name)
+            elif (member := self._rounds._member(kv)) is not None and member.leaving:
+                view.left.add(name)
         elif key == self._closer:
             if kv is None:
                 view.waiting.clear()
@@ -642,6 +672,7 @@ class RoundWatch:
         view = self.view
         view.alive = {member.key for member in view.formed.members}
         view.waiting = {}
+        view.left = set()
         for key, kv in values.items():
             self._apply(key, kv)
 

@@ -300,9 +300,6 @@ def test_loss_and_latency_slow_the_job_but_lose_nothing(tmp_path: Path, cache_di
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "namespaces available")
-@pytest.mark.xfail(strict=True, reason="since the peer-gone rule (a peer whose lease expired is a waiting node, so "
-                   "survivors blocked in a collective restart), a node that lost only etcd is re-formed without after "
-                   "its lease expires: the job trains at world size 1 through the cut (docs/design.md)")
 def test_a_node_cut_off_from_etcd_only_keeps_training_and_rejoins_after_the_heal(tmp_path: Path, cache_dir: Path) -> None:
     """partition-etcd: node1 loses etcd, not its peer, for 20 s: steps go on at world size 2 during the cut; every
     check passes."""

@@ -151,6 +151,7 @@ def test_a_survivors_poll_counts_a_waiting_node_once_a_peer_of_its_round_stopped
     assert sizes == [2, 2]
     assert survivor.num_nodes_waiting() == 0
     silent._stop_heartbeats()
+    silent._listener.close()  # its agent is gone too (a frozen one's would not answer either: tests/unit/test_reach.py)
     stopped = time.monotonic()
     while survivor.num_nodes_waiting() == 0:
         assert time.monotonic() - stopped < 10, "the survivor's poll never saw its peer gone"
@@ -158,6 +159,66 @@ def test_a_survivors_poll_counts_a_waiting_node_once_a_peer_of_its_round_stopped
     assert time.monotonic() - stopped < 2 * 1 + 1 + 1  # the heartbeat rule (2 s), a heartbeat's lag, a poll
     assert survivor.next_rendezvous().world_size == 1
     survivor.shutdown()
+
+
+def test_a_peer_that_lost_only_etcd_is_not_a_waiting_node_until_its_agent_stops_answering(
+        etcd_server: EtcdServer) -> None:
+    """A peer whose keep-alives no longer reach etcd leaves the round there, but while its agent answers this
+    node's probe (it lost etcd, not its peers) the survivor's poll counts no waiting node: its workers train on
+    with the peer's. Once the peer's agent stops answering, the poll counts one."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
+    run_id = uuid.uuid4().hex[:8]
+    cut, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
+                                                                 local_addr="127.0.0.1", **conf)) for _ in range(2))
+    sizes: list[int] = []
+    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (cut, survivor)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sizes == [2, 2]
+    cut._stop_heartbeats()
+    stopped = time.monotonic()
+    while len(survivor._state_holder.state.participants) == 2:  # the lease expires; the round loses the peer
+        assert time.monotonic() - stopped < 10, "the peer never left the round in etcd"
+        survivor.num_nodes_waiting()
+        time.sleep(0.1)
+    for _ in range(20):  # two seconds of the agent's polls: more than one keep_alive_interval
+        assert survivor.num_nodes_waiting() == 0, "a peer whose agent answers was counted as waiting"
+        time.sleep(0.1)
+    cut._listener.close()
+    closed = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - closed < 1 + 1 + 1, "the peer's agent stopped answering, and the poll never saw it"
+        time.sleep(0.1)
+    assert survivor.next_rendezvous().world_size == 1
+    survivor.shutdown()
+
+
+def test_a_peer_that_leaves_while_its_agent_answers_is_a_waiting_node_at_once(etcd_server: EtcdServer) -> None:
+    """A node that leaves on purpose (a preempted agent's exit, a step-out) marks its key as leaving before its
+    lease goes: the survivor's poll counts a waiting node at once, though the leaver's agent still answers its
+    probe (one that lost only etcd would be left to train on)."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
+    run_id = uuid.uuid4().hex[:8]
+    leaver, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
+                                                                    local_addr="127.0.0.1", **conf)) for _ in range(2))
+    sizes: list[int] = []
+    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (leaver, survivor)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sizes == [2, 2]
+    leaver.leave()
+    assert reach.answers(reach.parse_address(leaver.member().probe.encode()), timeout=2.0)  # type: ignore[arg-type]
+    left = time.monotonic()
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() - left < 1, "a peer that left, whose agent answers, was not counted as waiting"
+        time.sleep(0.05)
+    assert survivor.next_rendezvous().world_size == 1
+    survivor.shutdown()
+    leaver.shutdown()
 
 
 def test_a_node_joins_once_its_fork_server_is_warm(etcd_server: EtcdServer) -> None:

@@ -16,9 +16,10 @@ from tests.fixtures.rdzv_agents import Fleet, delta, etcd_counters
 pytestmark = pytest.mark.integration
 
 AGENTS = 64
-CONSTANT = 8
+CONSTANT = 9
 """Writes per round that do not grow with N: the membership, MASTER_ADDR and MASTER_PORT, the reach verdict,
-rank 0's lease for the exit barrier's keys (granted once), and a little slack for a closer's retry."""
+rank 0's lease for the exit barrier's keys (granted once), a leaver's mark on its key, and a little slack for a
+closer's retry."""
 
 
 def test_64_agents_form_a_round_and_re_form_without_a_leaver_in_etcd_writes_linear_in_their_number(

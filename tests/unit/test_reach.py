@@ -103,6 +103,19 @@ def test_a_probe_reaches_a_listener_and_not_a_closed_port() -> None:
     assert not reach.reaches(("127.0.0.1", listener.port), timeout=2.0)
 
 
+def test_a_running_agent_answers_and_a_frozen_one_is_reached_but_does_not_answer() -> None:
+    listener = reach.ProbeListener("127.0.0.1")
+    frozen = socket.create_server(("127.0.0.1", 0))  # listens, never accepts: the kernel completes connections
+    try:
+        assert reach.answers(("127.0.0.1", listener.port), timeout=2.0)
+        assert reach.reaches(("127.0.0.1", frozen.getsockname()[1]), timeout=2.0)
+        assert not reach.answers(("127.0.0.1", frozen.getsockname()[1]), timeout=0.5)
+        assert not reach.answers(("127.0.0.1", closed_port()), timeout=2.0)
+    finally:
+        listener.close()
+        frozen.close()
+
+
 def check_three(unreachable: int | None) -> dict[int, frozenset[int]]:
     """Three agents check one round on a real TCPStore; ``unreachable``'s listener is closed before it publishes."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)

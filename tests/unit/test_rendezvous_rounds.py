@@ -3,6 +3,7 @@ etcd; tests/integration/test_rendezvous_scale.py runs the same protocol on a rea
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -16,9 +17,11 @@ from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, RendezvousTimeoutError
 
+from elastic_ddp.rendezvous._torch_compat import _NodeDesc
 from elastic_ddp.rendezvous.errors import EtcdLeaseNotFoundError
 from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler, create_rdzv_handler
 from elastic_ddp.rendezvous.lease import LeaseKeeper
+from elastic_ddp.rendezvous.rounds import Member, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EtcdStore
 from tests.fixtures.fake_etcd import FakeEtcdClient
@@ -284,6 +287,34 @@ def test_a_peer_whose_lease_expired_counts_as_a_waiting_node(client: FakeEtcdCli
         time.sleep(0.05)
     assert survivor.next_rendezvous().world_size == 1
     survivor.shutdown()
+
+
+def test_a_node_that_leaves_marks_its_key_leaving_before_its_lease_goes(client: FakeEtcdClient) -> None:
+    """The survivor's watch sees the mark, then the key's deletion: a peer gone on purpose, not one whose lease
+    expired (which may have lost etcd alone)."""
+    leaver, survivor = node(client, (1, 2), keep_alive_s=1), node(client, (1, 2), keep_alive_s=1)
+    together([leaver, survivor])
+    leaver.leave()
+    deadline = time.monotonic() + 10
+    while survivor.num_nodes_waiting() == 0:
+        assert time.monotonic() < deadline, "the survivor never saw its peer gone"
+        time.sleep(0.05)
+    watch = survivor._rounds_state().watch
+    assert watch is not None and watch.view.left == {node_key(leaver._this_node)}
+    assert not [key for key in client.data if key.startswith(PREFIX + b"round/") and b"/j/" in key
+                and node_key(leaver._this_node).encode() in key], "the leaver's key outlived its leave"
+    survivor.shutdown()
+
+
+def test_a_node_descriptor_says_leaving_with_one_word_after_its_probe() -> None:
+    member = Member(_NodeDesc("host", 7, 0), "127.0.0.1:9")
+    leaving = dataclasses.replace(member, leaving=True)
+    assert Member.decode(member.encode()) == member and Member.decode(leaving.encode()) == leaving
+    assert leaving.encode()[4] == "leaving"
+    for bad in (["host", 7, 0, "127.0.0.1:9", "left"], ["host", 7, 0, "127.0.0.1:9", True],
+                ["host", 7, 0, "127.0.0.1:9", "leaving", "leaving"], ["host", 7, 0]):
+        with pytest.raises(ValueError, match="node descriptor"):
+            Member.decode(bad)
 
 
 def test_a_node_whose_own_lease_expired_asks_to_rejoin(client: FakeEtcdClient) -> None:
