@@ -30,6 +30,7 @@ The data position is exact either way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -191,9 +192,10 @@ def make_optimizer(config: LMConfig) -> Callable[[torch.nn.Module], torch.optim.
 
 
 def make_evaluate(config: LMConfig, val: Dataset,
-                  unigram_nats: float) -> Callable[[torch.nn.Module, torch.device], dict[str, float]]:
+                  unigram_nats: Callable[[], float]) -> Callable[[torch.nn.Module, torch.device], dict[str, float]]:
     """Mean token loss and perplexity over evenly spaced held-out windows, the same ones every time
-    (``--data-eval-batches`` batches of ``--data-eval-batch-size``; 0 batches: the whole held-out split)."""
+    (``--data-eval-batches`` batches of ``--data-eval-batch-size``; 0 batches: the whole held-out split), beside
+    the unigram baseline (``unigram_nats()``, asked at each evaluation: rank 0's alone)."""
     batch_size = config.data.eval_batch_size
     wanted = config.data.eval_batches * batch_size
     count = len(val) if wanted == 0 else min(wanted, len(val))
@@ -208,7 +210,7 @@ def make_evaluate(config: LMConfig, val: Dataset,
                 logits = model(inputs.to(device))
             total += float(lm_loss(logits, targets.to(device)).double().sum())
         loss = total / count
-        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "unigram_loss": unigram_nats}
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "unigram_loss": unigram_nats()}
 
     return evaluate
 
@@ -225,13 +227,14 @@ def build(config: LMConfig) -> Built:
         train, val, unigram, fingerprint, source = shard_splits(config)
     else:
         splits = make_splits(config.data.budget_bytes, config.model.context, config.data.val_fraction)
-        train, val, unigram, corpus = splits.train, splits.val, splits.unigram_nats, splits.corpus
+        train, val, corpus = splits.train, splits.val, splits.corpus
+        unigram = functools.partial(float, splits.unigram_nats)
         fingerprint = {"corpus_sha256": corpus.sha256}
         source = (f"corpus {len(corpus.data):,} bytes from {corpus.files} files under {corpus.root} "
                   f"(sha256 {corpus.sha256[:16]})")
     if os.environ.get("RANK", "0") == "0":
-        logger.info("%s parameters; %s; %d training and %d validation windows of %d bytes; unigram baseline %.4f nats",
-                    f"{parameter_count(model):,}", source, len(train), len(val), config.model.context, unigram)
+        logger.info("%s parameters; %s; %d training and %d validation windows of %d bytes",
+                    f"{parameter_count(model):,}", source, len(train), len(val), config.model.context)
     return Built(
         model=model,
         train_data=train,
@@ -244,19 +247,24 @@ def build(config: LMConfig) -> Built:
     )
 
 
-def shard_splits(config: LMConfig) -> tuple[TokenWindows, TokenWindows, float, dict[str, str], str]:
+def shard_splits(config: LMConfig) -> tuple[TokenWindows, TokenWindows, Callable[[], float], dict[str, str], str]:
     """Training and validation windows of the token shards at --data-shards-uri, read through the node's cache; the
-    training index's digest is the fingerprint (a resume on other shards is refused)."""
+    training index's digest is the fingerprint (a resume on other shards is refused). The unigram baseline reads
+    every validation window: it is computed at the first evaluation, on rank 0 alone, not at every rank's start."""
     data = config.data
     options = json.loads(data.shards_options) if data.shards_options else {}
     readers = [ShardReader(f"{data.shards_uri.rstrip('/')}/{name}", cache_dir=data.shards_cache_dir,
                            cache_bytes=data.shards_cache_bytes, storage_options=options,
                            prefetch_steps=data.shards_prefetch_steps) for name in ("train", "val")]
     train, val = (TokenWindows(reader, config.model.context) for reader in readers)
-    held_out = torch.cat([val[i][0] for i in range(len(val))]).to(torch.uint8) if len(val) else torch.zeros(0)
+    @functools.cache
+    def unigram() -> float:
+        held_out = torch.cat([val[i][0] for i in range(len(val))]).to(torch.uint8) if len(val) else torch.zeros(0)
+        return unigram_entropy(held_out)
+
     digest = readers[0].index.digest
     source = f"token shards at {data.shards_uri} ({len(readers[0].index.shards)} training shards, index {digest[:16]})"
-    return train, val, unigram_entropy(held_out), {"shards_index_sha256": digest}, source
+    return train, val, unigram, {"shards_index_sha256": digest}, source
 
 
 @record

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import fsspec
@@ -28,7 +29,7 @@ from elastic_ddp.shards import (
     TokenWindows,
     build_index,
 )
-from elastic_ddp.shards.cache import _flock
+from elastic_ddp.shards.cache import _flat, _flock
 from elastic_ddp.shards.index import parse_index
 
 FS = fsspec.filesystem("file")
@@ -217,28 +218,46 @@ def test_a_piece_that_never_verifies_is_refused_and_nothing_is_left_in_the_cache
     assert not any(tmp_path.rglob("*.*[0-9]")), "a partial file or reservation was left behind"
 
 
-def _fetch_in_child(root: str, log: str, start: threading.Barrier | None = None) -> None:
+def _fetch_in_child(root: str, log: str, peers: int) -> None:
+    """Get piece d/5; the process that downloads it first waits until ``peers`` processes are blocked on the
+    piece's lock (the kernel's own list of lock waiters), so every one of them races it for certain."""
     cache = ShardCache(root, 10_000)
     body, sha = _piece(5)
 
     def fetch() -> bytes:
         with open(log, "a") as handle:
-            handle.write(f"{os.getpid()}\n")
+            handle.write(f"fetched {os.getpid()}\n")
+        lock = os.stat(Path(root) / ".locks" / _flat("d/5"))
+        inode = f"{os.major(lock.st_dev):02x}:{os.minor(lock.st_dev):02x}:{lock.st_ino}"
+        deadline = time.monotonic() + 30
+        while _lock_waiters(inode) < peers:
+            assert time.monotonic() < deadline, "the other processes never waited on the piece's lock"
+            time.sleep(0.01)
         return body
 
     assert cache.get("d/5", 1000, sha, fetch).read_bytes() == body
+    with open(log, "a") as handle:
+        handle.write(f"waited {cache.stats.waited_for_peer}\n")
+
+
+def _lock_waiters(inode: str) -> int:
+    """How many processes are blocked acquiring a lock of the file ``MAJOR:MINOR:INODE`` (/proc/locks)."""
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines() if "->" in line.split() and inode in line.split())
 
 
 def test_processes_of_one_node_download_a_piece_once(tmp_path: Path) -> None:
+    """While one process downloads, the 5 others wait on the piece's lock, then find it in place."""
     log = tmp_path / "fetches.log"
     context = multiprocessing.get_context("fork")
-    children = [context.Process(target=_fetch_in_child, args=(str(tmp_path / "cache"), str(log))) for _ in range(6)]
+    children = [context.Process(target=_fetch_in_child, args=(str(tmp_path / "cache"), str(log), 5)) for _ in range(6)]
     for child in children:
         child.start()
     for child in children:
         child.join(60)
         assert child.exitcode == 0
-    assert len(log.read_text().split()) == 1
+    lines = log.read_text().splitlines()
+    assert len([line for line in lines if line.startswith("fetched")]) == 1
+    assert sorted(line for line in lines if line.startswith("waited")) == ["waited 0"] + ["waited 1"] * 5
 
 
 def _churn(root: str, budget: int, seed: int, rounds: int) -> None:
