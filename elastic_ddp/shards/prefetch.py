@@ -4,7 +4,7 @@ The global cursor knows the future: from the committed position, :meth:`ElasticS
 next step, and the sampler's split gives this rank's samples of each at the current world size. A
 :class:`Prefetcher` walks the next ``steps`` steps, maps this rank's samples to the pieces that hold them,
 and has the node's cache fetch the missing ones in order of need, at most ``inflight`` at a time (each holds
-one piece in memory), and at most ``max_bytes`` ahead of the committed position (a quarter of the cache's
+one piece in memory), and at most ``max_bytes`` ahead of where its window starts (a quarter of the cache's
 budget, shared by the node's ranks). The first window starts at the committed position; later ones after
 the steps the DataLoader was handed (``sampler.dispatched``; its workers read those, up to
 ``num_workers × prefetch_factor`` micro-batches ahead), and each is planned again when that moves, looking

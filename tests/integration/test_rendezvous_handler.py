@@ -98,9 +98,13 @@ def test_three_nodes_get_distinct_ranks_and_one_world_size(etcd_server: EtcdServ
     assert next(iter(outcomes.values()))[1] == 3
 
 
-def _two_nodes_in_one_round(endpoint: str, join_timeout: str) -> list[DynamicRendezvousHandler]:
-    """Two handlers of a 1:2 job that completed one round together (heartbeats every 60 s)."""
-    conf = {"last_call_timeout": "1", "keep_alive_interval": "60", "join_timeout": join_timeout}
+HEARTBEAT_EVERY_S = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
+"""A peer silent for 2 s leaves the round: for the tests of a peer gone."""
+
+
+def _two_nodes_in_one_round(endpoint: str, join_timeout: str, **conf: str) -> list[DynamicRendezvousHandler]:
+    """Two handlers of a 1:2 job that completed one round together (heartbeats every 60 s unless ``conf`` says)."""
+    conf = {"last_call_timeout": "1", "keep_alive_interval": "60", "join_timeout": join_timeout, **conf}
     run_id = uuid.uuid4().hex[:8]
     handlers = [get_rendezvous_handler(RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, local_addr="127.0.0.1",
                                                             **conf)) for _ in range(2)]
@@ -138,17 +142,7 @@ def test_a_survivors_poll_counts_a_waiting_node_once_a_peer_of_its_round_stopped
     by torch's heartbeat rule, but a survivor whose collective blocks instead of failing never restarts for
     it. The survivor's poll counts a waiting node once the peer is removed, so its agent stops the workers
     (whose group watch abandons the blocked step) and re-forms without the peer."""
-    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
-    run_id = uuid.uuid4().hex[:8]
-    silent, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
-                                                                    local_addr="127.0.0.1", **conf)) for _ in range(2))
-    sizes: list[int] = []
-    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (silent, survivor)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert sizes == [2, 2]
+    silent, survivor = _two_nodes_in_one_round(etcd_server.endpoint, join_timeout="20", **HEARTBEAT_EVERY_S)
     assert survivor.num_nodes_waiting() == 0
     silent._stop_heartbeats()
     silent._listener.close()  # its agent is gone too (a frozen one's would not answer either: tests/unit/test_reach.py)
@@ -166,17 +160,7 @@ def test_a_peer_that_lost_only_etcd_is_not_a_waiting_node_until_its_agent_stops_
     """A peer whose keep-alives no longer reach etcd leaves the round there, but while its agent answers this
     node's probe (it lost etcd, not its peers) the survivor's poll counts no waiting node: its workers train on
     with the peer's. Once the peer's agent stops answering, the poll counts one."""
-    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
-    run_id = uuid.uuid4().hex[:8]
-    cut, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
-                                                                 local_addr="127.0.0.1", **conf)) for _ in range(2))
-    sizes: list[int] = []
-    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (cut, survivor)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert sizes == [2, 2]
+    cut, survivor = _two_nodes_in_one_round(etcd_server.endpoint, join_timeout="20", **HEARTBEAT_EVERY_S)
     cut._stop_heartbeats()
     stopped = time.monotonic()
     while len(survivor._state_holder.state.participants) == 2:  # the lease expires; the round loses the peer
@@ -199,17 +183,7 @@ def test_a_peer_that_leaves_while_its_agent_answers_is_a_waiting_node_at_once(et
     """A node that leaves on purpose (a preempted agent's exit, a step-out) marks its key as leaving before its
     lease goes: the survivor's poll counts a waiting node at once, though the leaver's agent still answers its
     probe (one that lost only etcd would be left to train on)."""
-    conf = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "2", "join_timeout": "20"}
-    run_id = uuid.uuid4().hex[:8]
-    leaver, survivor = (get_rendezvous_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2,
-                                                                    local_addr="127.0.0.1", **conf)) for _ in range(2))
-    sizes: list[int] = []
-    threads = [threading.Thread(target=lambda h=h: sizes.append(h.next_rendezvous().world_size)) for h in (leaver, survivor)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert sizes == [2, 2]
+    leaver, survivor = _two_nodes_in_one_round(etcd_server.endpoint, join_timeout="20", **HEARTBEAT_EVERY_S)
     leaver.leave()
     assert reach.answers(reach.parse_address(leaver.member().probe.encode()), timeout=2.0)  # type: ignore[arg-type]
     left = time.monotonic()
