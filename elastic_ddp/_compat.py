@@ -20,13 +20,17 @@ fails there first.
 from __future__ import annotations
 
 import inspect
+import logging
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from elastic_ddp.errors import ElasticDDPError
+
+logger = logging.getLogger(__name__)
 
 
 class IncompatibleLibraryError(ElasticDDPError, ImportError):
@@ -102,6 +106,25 @@ def check(required: Mapping[ModuleType, Iterable[Requirement]], *, version: str,
             f"elastic_ddp supports {supported}, and the installed {library} {version} lacks what it relies on: "
             f"{'; '.join(problems)}. Install a supported version: pip install '{supported}'"
         )
+
+
+def release_of(version: str) -> tuple[int, int] | None:
+    """The ``(major, minor)`` release of a version string (``2.14.1+cu130`` is ``(2, 14)``); ``None`` if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def warn_if_untested(version: str, *, tested: Iterable[tuple[int, int]], supported: str) -> bool:
+    """Log one line when a library that has everything elastic_ddp relies on (:func:`check` passed) is a
+    release outside the tested ones: it may work, but no run has shown it. Returns whether it logged."""
+    tested = tuple(tested)
+    if release_of(version) in tested:
+        return False
+    library = supported.split(">")[0].split("<")[0].split("=")[0].strip()
+    names = ", ".join("%d.%d" % release for release in tested)
+    logger.warning("elastic_ddp is tested with %s %s (%s); the installed %s %s is not among them",
+                   library, names, supported, library, version)
+    return True
 
 
 def _has_attribute(owner: Any, name: str) -> bool:

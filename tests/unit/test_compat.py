@@ -30,7 +30,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from elastic_ddp import _torch_compat
 from elastic_ddp import checkpoint as checkpoint_package
-from elastic_ddp._compat import Behaviour, IncompatibleLibraryError, Private, Requirement, check
+from elastic_ddp._compat import Behaviour, IncompatibleLibraryError, Private, Requirement, check, release_of, warn_if_untested
 from elastic_ddp.checkpoint import _s3fs_compat
 from elastic_ddp.checkpoint.storage import open_storage
 from elastic_ddp.errors import CheckpointError, ElasticDDPError
@@ -147,7 +147,32 @@ def test_supported_ranges_are_the_declared_ones() -> None:
 def test_the_installed_versions_are_supported() -> None:
     """What this run tests is inside the declared range (CI installs the torch that scripts/setup.sh names)."""
     assert pep508.Requirement(_torch_compat.SUPPORTED).specifier.contains(torch.__version__)
+    assert release_of(torch.__version__) in _torch_compat.TESTED
     assert pep508.Requirement(_s3fs_compat.SUPPORTED).specifier.contains(s3fs.__version__)
+
+
+def test_the_tested_releases_are_the_supported_range() -> None:
+    """Every release CI tests is inside the declared range, and the range holds no other minor release."""
+    specifier = pep508.Requirement(_torch_compat.SUPPORTED).specifier
+    tested = _torch_compat.TESTED
+    assert all(specifier.contains("%d.%d.0" % release) for release in tested)
+    (major, first), (_, last) = tested[0], tested[-1]
+    assert [minor for minor in range(first, last + 1) if (major, minor) not in tested] == []
+    assert not specifier.contains("%d.%d.0" % (major, first - 1)) and not specifier.contains("%d.%d.0" % (major, last + 1))
+
+
+@pytest.mark.parametrize(("version", "logged"), [("2.13.0+cpu", False), ("2.14.1", False), ("2.14.1+cu130", False),
+                                                 ("2.15.0", True), ("2.12.1", True), ("nightly", True)])
+def test_a_release_outside_the_tested_ones_gets_one_line(caplog: pytest.LogCaptureFixture, version: str,
+                                                          logged: bool) -> None:
+    with caplog.at_level("WARNING", logger="elastic_ddp._compat"):
+        assert warn_if_untested(version, tested=((2, 13), (2, 14)), supported="torch>=2.13,<2.15") is logged
+    lines = [record.getMessage() for record in caplog.records]
+    if logged:
+        assert lines == [f"elastic_ddp is tested with torch 2.13, 2.14 (torch>=2.13,<2.15); the installed torch {version} "
+                         "is not among them"]
+    else:
+        assert lines == []
 
 
 # ---------------------------------------------------------------------------
