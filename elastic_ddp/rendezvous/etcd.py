@@ -1,4 +1,4 @@
-"""``etcd-v3``: torch's dynamic rendezvous over the etcd v3 API, registered for torchrun (docs/design.md, "Rendezvous").
+"""``etcd-v3``: a torchrun rendezvous over the etcd v3 API, registered for torchrun (docs/design.md, "Rendezvous").
 
 Use::
 
@@ -8,26 +8,24 @@ Use::
 
 torchrun finds :func:`handler_factory` through the ``torchrun.handlers`` entry point
 ``etcd-v3`` (torch's own ``etcd``/``etcd-v2`` speak the v2 API, which etcd 3.6 no
-longer serves; an out-of-tree handler may not reuse a built-in name). The handler is
-torch's ``DynamicRendezvousHandler`` whose join, exit, close and keep-alive operations run as
-the rounds protocol of :mod:`.rounds` (one key per node under its own lease, one closer per
-round: every etcd cost linear in the number of nodes), with
-:class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents' store, and three additions:
-every worker-group attempt gets a fresh worker store (:func:`use_fresh_worker_store`), a node
-that leaves does so at once, and nodes that cannot reach each other are left out of a round
-(:class:`EtcdRendezvousHandler`). ``--rdzv-conf`` keys are listed in
-:mod:`elastic_ddp.rendezvous.settings`; the keys it writes in :mod:`.rounds`.
+longer serves; an out-of-tree handler may not reuse a built-in name). The handler implements
+torch's public ``RendezvousHandler`` contract with the rounds protocol of :mod:`.rounds` as its
+state machine (one key per node under its own lease, one closer per round: every etcd cost linear
+in the number of nodes), with :class:`~elastic_ddp.rendezvous.store.EtcdStore` as the agents'
+store: every worker-group attempt gets a fresh worker store, a node that leaves does so at once,
+and nodes that cannot reach each other are left out of a round (:class:`EtcdRendezvousHandler`).
+``--rdzv-conf`` keys are listed in :mod:`elastic_ddp.rendezvous.settings`; the keys it writes in
+:mod:`.rounds`.
 
 Why the agents' store lives in etcd, not in a TCPStore
 ------------------------------------------------------
 torch's ``c10d`` backend hosts a TCPStore on the ``--rdzv-endpoint`` machine, and
-the ``DynamicRendezvousHandler`` of recent torch (2.13 here) by default makes the rank-0
-*agent* host a second TCPStore that the *workers* use (``use_agent_store``). The ``etcd-v3``
-handler opts out (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, see
-:func:`use_fresh_worker_store`): each round, rank 0's *worker* hosts the workers' TCPStore on
+torch's ``DynamicRendezvousHandler`` by default makes the rank-0 *agent* host a second
+TCPStore that the *workers* use (``use_agent_store``). The ``etcd-v3`` handler does not
+(``use_agent_store`` is ``False``): each round, rank 0's *worker* hosts the workers' TCPStore on
 a port published through the agents' store. The handler's store is therefore only the agents' store: a handful of operations
 per rendezvous round (publish and read ``MASTER_ADDR``/``MASTER_PORT``, one
-``set`` + ``multi_get``/``multi_set`` + blocking ``get`` for rank assignment, an
+``set`` + ``multi_get``/``multi_set`` + blocking ``get`` for torchrun's rank assignment, an
 ``add``/``wait`` exit barrier). Workers never touch it, so its latency is not on
 any training path.
 
@@ -48,13 +46,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
@@ -62,31 +62,22 @@ from torch.distributed.elastic.events import NodeState, construct_and_record_rdz
 from torch.distributed.elastic.events.handlers import get_logging_handler
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousError,
+    RendezvousHandler,
     RendezvousHandlerCreator,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousSettings
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import reach
-from elastic_ddp.rendezvous._torch_compat import (  # torch's private names, checked on import
-    _Action,
-    _NodeDesc,
-    _RendezvousCloseOp,
-    _RendezvousContext,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _RendezvousKeepAliveOp,
-    _RendezvousOpExecutor,
-    _RendezvousState,
-    _RendezvousStateHolder,
-)
 from elastic_ddp.rendezvous.client import EtcdClient, GrpcEtcdClient
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
-from elastic_ddp.rendezvous.rounds import Formed, Member, RoundRules, Rounds, RoundWatch, node_key
+from elastic_ddp.rendezvous.rounds import Formed, Member, Node, RoundRules, Rounds, RoundWatch, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
 
@@ -94,21 +85,21 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcd-v3"
-_FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 LEAVE_TIMEOUT_S = 5.0
 """The most an exiting agent spends taking its node out of the round (etcd may be unreachable)."""
+EVENT_SOURCE = "dynamic_rendezvous"
+"""The torch event-handler name rendezvous events are recorded under (torch's own rendezvous's), so that
+``torch.distributed.elastic.events`` configured for rendezvous events gets this handler's too."""
 
 
-def _record_event(
-    owner: type, node: _NodeDesc, run_id: str, message: str, node_state: NodeState, rank: int | None = None
-) -> None:
-    """Record a rendezvous event as torch's ``_record`` methods do, named ``<owner>.<method that
-    called _record>``, but only if events go anywhere (by default their handler is a
-    ``NullHandler``) and without ``inspect.stack()``; see :class:`_OpExecutor`."""
-    if isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
+def _record_event(operation: str, node: Node, run_id: str, message: str, node_state: NodeState,
+                  rank: int | None = None) -> None:
+    """Record a rendezvous event (``torch.distributed.elastic.events``) named ``EtcdRendezvousHandler.<operation>``,
+    but only if events go anywhere (by default their handler is a ``NullHandler``)."""
+    if isinstance(get_logging_handler(EVENT_SOURCE), logging.NullHandler):
         return
     construct_and_record_rdzv_event(
-        name="%s.%s" % (owner.__name__, sys._getframe(2).f_code.co_name),
+        name="EtcdRendezvousHandler.%s" % operation,
         run_id=run_id,
         message=message,
         node_state=node_state,
@@ -119,25 +110,37 @@ def _record_event(
     )
 
 
-class _RoundsState(_RendezvousStateHolder):
-    """torch's view of the rendezvous (a ``_RendezvousState``), kept from this node's rounds instead of
-    read from one state key: after a join, the round as formed; while the node trains, which members'
-    keys still exist and who joined the next round, as :class:`~.rounds.RoundWatch` saw them. Reading
-    it costs no etcd call: the agent polls :meth:`EtcdRendezvousHandler.num_nodes_waiting` ten times a
-    second."""
+@dataclass
+class RoundView:
+    """The round this node trains in, as its watch sees it: what :meth:`EtcdRendezvousHandler.num_nodes_waiting`
+    answers from."""
+
+    round: int = 0
+    participants: dict[Node, int] = field(default_factory=dict)
+    """The round's members whose key still exists, with their rank."""
+    wait_list: set[Node] = field(default_factory=set)
+    """Nodes that joined the next round."""
+    closed: bool = False
+
+
+class _RoundsState:
+    """This node's view of the rendezvous (a :class:`RoundView`), kept from its rounds: after a join, the round as
+    formed; while the node trains, which members' keys still exist and who joined the next round, as
+    :class:`~.rounds.RoundWatch` saw them. Reading it costs no etcd call: the agent polls
+    :meth:`EtcdRendezvousHandler.num_nodes_waiting` ten times a second."""
 
     def __init__(self) -> None:
-        self._state = _RendezvousState()
+        self._state = RoundView()
         self.formed: Formed | None = None
         self.watch: RoundWatch | None = None
         self.closed = False
         self._built_from: tuple[int, int, int] | None = None
 
     @property
-    def state(self) -> _RendezvousState:
+    def state(self) -> RoundView:
         return self._state
 
-    def sync(self) -> bool | None:
+    def sync(self) -> None:
         """Bring the view up to date with the watch (no etcd call).
 
         Raises:
@@ -152,10 +155,6 @@ class _RoundsState(_RendezvousStateHolder):
             if key != self._built_from:
                 self._built_from = key
                 self._state = _state_of(view.formed, view.alive, view.waiting.values(), self.closed)
-        return None
-
-    def mark_dirty(self) -> None:
-        """torch's executor is not used with this holder; nothing is written through it."""
 
     def formed_round(self, formed: Formed, watch: RoundWatch) -> None:
         self.stop_watching()
@@ -172,7 +171,9 @@ class _RoundsState(_RendezvousStateHolder):
         self.stop_watching()
         self.watch = None
         self._state.participants = {}
-        self._state.last_heartbeats = {}
+
+    def close(self) -> None:
+        self.closed = self._state.closed = True
 
 
 class _Background(Generic[T]):
@@ -198,71 +199,51 @@ class _Background(Generic[T]):
         return self._value  # type: ignore[return-value]
 
 
-def _state_of(formed: Formed, alive: set[str], waiting: Iterable[_NodeDesc], closed: bool) -> _RendezvousState:
-    state = _RendezvousState()
-    state.round = formed.round
-    state.complete = True
-    state.closed = closed
-    state.participants = {member.node: rank for rank, member in enumerate(formed.members) if member.key in alive}
-    state.wait_list = set(waiting)
-    now = datetime.now(timezone.utc)
-    state.last_heartbeats = {node: now for node in (*state.participants, *state.wait_list)}
-    return state
+class _Heartbeats:
+    """Calls ``beat`` every ``interval`` seconds on a daemon thread, under ``lock``, until stopped."""
+
+    def __init__(self, interval: float, beat: Callable[[], None], lock: threading.Lock, name: str) -> None:
+        self._interval = interval
+        self._beat = beat
+        self._lock = lock
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            with self._lock:
+                if not self._stopped.is_set():
+                    self._beat()
+
+    def stop(self) -> None:
+        """No heartbeat after this returns: waits for one in flight (it may wait on etcd up to its own limit)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
-class _RoundsExecutor(_RendezvousOpExecutor):
-    """Runs torch's rendezvous operations (join, exit, close, keep-alive) as the rounds protocol's
-    (:mod:`.rounds`), for torch's handler code that calls ``_op_executor.run(op, deadline)``."""
-
-    def __init__(self, handler: EtcdRendezvousHandler, rounds: Rounds, holder: _RoundsState) -> None:
-        self._handler = handler
-        self._rounds = rounds
-        self._holder = holder
-        self.leaving = False
-        """Set by :meth:`EtcdRendezvousHandler.leave` and ``_step_out``: the exit deletes this node's keys."""
-
-    def run(
-        self,
-        state_handler: Callable[[_RendezvousContext, float], _Action],
-        deadline: float,
-        update_deadline: Callable[[timedelta], float] | None = None,
-    ) -> None:
-        """See base class."""
-        if isinstance(state_handler, _RendezvousJoinOp):
-            self._holder.stop_watching()
-            me = self._handler.member()
-            formed = self._rounds.join(me, deadline, self._holder.formed)
-            self._holder.formed_round(formed, self._rounds.watch(formed, me))
-            self._handler.start_report(formed)
-        elif isinstance(state_handler, _RendezvousExitOp):
-            if self.leaving:
-                trained_in = self._holder.formed
-                if trained_in is not None:  # tell the members of its round it leaves (it holds a key there)
-                    self._rounds.depart(trained_in, self._handler.member())
-                else:
-                    self._rounds.leave()
-                self._holder.left()
-        elif isinstance(state_handler, _RendezvousCloseOp):
-            self._rounds.close_job()
-            self._holder.closed = True
-            self._holder.state.closed = True
-        elif isinstance(state_handler, _RendezvousKeepAliveOp):
-            self._rounds.keep_alive()
-        else:
-            raise TypeError(f"etcd-v3: no rounds operation for torch's {type(state_handler).__name__}")
+def _state_of(formed: Formed, alive: set[str], waiting: Iterable[Node], closed: bool) -> RoundView:
+    participants = {member.node: rank for rank, member in enumerate(formed.members) if member.key in alive}
+    return RoundView(formed.round, participants, set(waiting), closed)
 
 
-class EtcdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's ``DynamicRendezvousHandler``, plus: an agent that exits leaves the round at once,
-    and a node that the round went on without re-joins.
+class EtcdRendezvousHandler(RendezvousHandler):
+    """torch's rendezvous contract (``RendezvousHandler``) as the rounds protocol of :mod:`.rounds`: ``min:max``
+    nodes with a last call, early close, spares beyond ``max_nodes``, waiting nodes, heartbeats as lease
+    keep-alives, and the agents' store in etcd; plus: an agent that exits leaves the round at once, a node that
+    the round went on without re-joins, and nodes that cannot reach each other are left out of a round.
+
+    **Worker stores.** :attr:`use_agent_store` is ``False``: every attempt's rank-0 worker hosts a fresh
+    TCPStore on a port published through the round's agents' store, so no key of a failed attempt reaches the
+    next (``RESTARTS.md``). Nothing in the process's environment is changed for it.
 
     **Leaving.** torchrun's agent does not shut the rendezvous down when a signal ends it (that
     would close the rendezvous for every node), so a preempted node (SIGTERM, or a spot notice's
-    SIGTERM from its own worker) stayed a participant until its heartbeats were older than
-    ``keep_alive_interval * keep_alive_max_attempt``; the survivors' next round waited that long.
-    At interpreter exit, unless :meth:`shutdown` ran, this handler takes its node out of the round
-    (torch's own exit operation, which it runs before every re-join), bounded by
-    :data:`LEAVE_TIMEOUT_S`. A node killed outright is still removed by the heartbeat rule.
+    SIGTERM from its own worker) would stay a participant until its lease expired
+    (``keep_alive_interval * keep_alive_max_attempt``); the survivors' next round would wait that long.
+    At interpreter exit, unless :meth:`shutdown` ran, this handler takes its node out of the round,
+    bounded by :data:`LEAVE_TIMEOUT_S`. A node killed outright is removed when its lease expires.
 
     **Leaving as the job ends.** torchrun's agent waits in an exit barrier (up to 300 s) until
     every agent of the round has checked in, and an agent ended by a signal never gets there. So
@@ -296,22 +277,31 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     agent stop its workers and re-join, so every node is again in one round.
     """
 
-    _op_executor: _RoundsExecutor
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, node: Node, settings: RendezvousSettings, store: EtcdStore, rounds: Rounds,
+                 reach_timeout: float | None = None, local_addr_given: bool = True) -> None:
+        if not settings.run_id:
+            raise ValueError("The run id must be a non-empty string.")
+        if not 1 <= settings.min_nodes <= settings.max_nodes:
+            raise ValueError(f"min_nodes must be > 0 and <= max_nodes, got min_nodes={settings.min_nodes}, "
+                             f"max_nodes={settings.max_nodes}")
+        self._this_node = node
+        self._settings = settings
+        self._etcd_store = store
+        self._rounds = rounds
+        self._state_holder = _RoundsState()
+        self._heartbeat_lock = threading.Lock()
+        """Held by a heartbeat while its keep-alive waits on etcd; the agent's poll takes it with a time limit."""
+        self._heartbeats: _Heartbeats | None = None
         self._shut_down = False
-        self._etcd_store: EtcdStore | None = None
-        self._rounds: Rounds | None = None
         self._outage_since: float | None = None
         self._last_probe = 0.0
         self._listener: reach.ProbeListener | None = None
-        self._reach_timeout: float | None = None
+        self._reach_timeout = reach_timeout
         self._fork_server_started = False
-        self._local_addr_given = True
-        self._members: tuple[int, frozenset[_NodeDesc]] | None = None
+        self._local_addr_given = local_addr_given
+        self._members: tuple[int, frozenset[Node]] | None = None
         """The round this node trains in, and its participants (a peer missing from them later is gone)."""
-        self._probes: dict[_NodeDesc, str] = {}
+        self._probes: dict[Node, str] = {}
         """Each member's probe listener (``host:port``) in that round: whether a gone peer's agent still runs."""
         self._answered_until = 0.0
         """Until then (monotonic), the gone peers' agents are taken to run, as they answered last time."""
@@ -325,7 +315,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         local_addr: str | None, local_addr_given: bool | None = None,
     ) -> EtcdRendezvousHandler:
         """The handler of one node on ``client``, its agents' store and its rounds (:mod:`.rounds`)."""
-        torch_settings = RendezvousSettings(
+        handler_settings = RendezvousSettings(
             settings.run_id, min_nodes, max_nodes, settings.rendezvous_timeout(),
             keep_alive_interval=timedelta(seconds=settings.keep_alive_interval),
             keep_alive_max_attempt=settings.keep_alive_max_attempt,
@@ -334,18 +324,30 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         liveness = LeaseKeeper(client, liveness_ttl(settings))
         store = EtcdStore(client, settings.run_prefix + "store/", liveness, timedelta(seconds=settings.read_timeout),
                           probe_timeout=settings.connect_timeout, records=records)
-        rules = RoundRules(min_nodes, max_nodes, torch_settings.timeout.last_call, torch_settings.keep_alive_interval,
-                           early_close=settings.early_close)
+        rules = RoundRules(min_nodes, max_nodes, handler_settings.timeout.last_call,
+                           handler_settings.keep_alive_interval, early_close=settings.early_close)
         rounds = Rounds(client, settings.run_prefix, rules, liveness, records)
-        holder = _RoundsState()
-        node = cls._node_desc_generator.generate(local_addr)
-        handler = cls(node, torch_settings, BACKEND_NAME, store, holder)
-        handler._etcd_store = store
-        handler._rounds = rounds
-        handler._op_executor = _RoundsExecutor(handler, rounds, holder)
-        handler._reach_timeout = settings.reach_timeout if settings.reach_check else None
-        handler._local_addr_given = bool(local_addr) if local_addr_given is None else local_addr_given
-        return handler
+        return cls(Node.of_this_process(local_addr), handler_settings, store, rounds,
+                   reach_timeout=settings.reach_timeout if settings.reach_check else None,
+                   local_addr_given=bool(local_addr) if local_addr_given is None else local_addr_given)
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        """The run id, node counts, timeouts and keep-alive settings of this rendezvous."""
+        return self._settings
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class: never (see the class docstring, "Worker stores")."""
+        return False
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._settings.run_id
 
     def member(self) -> Member:
         """This node as its key describes it: descriptor and probe address."""
@@ -391,7 +393,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                         self._settings.run_id, warmed)
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         while True:
-            info = super().next_rendezvous()
+            info = self._join_round()
             listener = self._probe_listener() if info.world_size > 1 else None
             if listener is None or self._reach_timeout is None:
                 return self._training_in(info)
@@ -407,6 +409,71 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                     "re-forming without them", self._state_holder.state.round, self._settings.run_id, sorted(left_out),
                 )  # fmt: skip
 
+    def _join_round(self) -> RendezvousInfo:
+        """Join the next round (:meth:`.Rounds.join`), watch it, start heartbeats, and publish or read rank 0's
+        address for the workers' store (``RendezvousStoreInfo``: rank 0's worker hosts a fresh one).
+
+        Raises:
+            RendezvousError: the join failed (closed, timed out, etcd does not answer); recorded as a failed event.
+        """
+        message = "The node '%s' attempts to join the next round of the rendezvous '%s'." % (
+            self._this_node, self._settings.run_id)
+        self._record("next_rendezvous", message)
+        logger.info(message)
+        holder = self._state_holder
+        try:
+            self._stop_heartbeats()
+            if holder.formed is None:  # a first join: spread the nodes of a job started at once over 0.3 s
+                time.sleep(random.uniform(0, 0.3))
+            holder.stop_watching()
+            me = self.member()
+            formed = self._rounds.join(me, time.monotonic() + self._settings.timeout.join.total_seconds(), holder.formed)
+            holder.formed_round(formed, self._rounds.watch(formed, me))
+            self.start_report(formed)
+            self._start_heartbeats()
+            rank, world_size = holder.state.participants[self._this_node], len(formed.members)
+            store = dist.PrefixStore(_round_store_prefix(self._settings.run_id, formed.round), self._etcd_store)
+            bootstrap = RendezvousStoreInfo.build(rank, store, local_addr=self._this_node.addr)
+        except Exception as exc:
+            self._record("next_rendezvous", "%s: %s" % (type(exc).__name__, exc), NodeState.FAILED)
+            raise
+        message = "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of size %d." % (
+            self._this_node, formed.round, self._settings.run_id, rank, world_size)
+        self._record("next_rendezvous", message, rank=rank)
+        logger.info(message)
+        return RendezvousInfo(store, rank, world_size, bootstrap)
+
+    def _start_heartbeats(self) -> None:
+        self._heartbeats = _Heartbeats(self._settings.keep_alive_interval.total_seconds(), self._keep_alive,
+                                       self._heartbeat_lock, "RendezvousKeepAliveTimer_%d" % self._this_node.local_id)
+
+    def _stop_heartbeats(self) -> None:
+        """No heartbeat after this returns (one in flight is waited for)."""
+        heartbeats, self._heartbeats = self._heartbeats, None
+        if heartbeats is not None:
+            heartbeats.stop()
+
+    def _keep_alive(self) -> None:
+        """One heartbeat: a keep-alive of this node's leases; a failure is logged (the lease rule judges)."""
+        try:
+            self._rounds.keep_alive()
+        except RendezvousError as exc:
+            logger.warning("The node '%s' has failed to send a keep-alive heartbeat to the rendezvous '%s' due to an "
+                           "error of type %s.", self._this_node, self._settings.run_id, type(exc).__name__)
+            self._record("_keep_alive", "keep-alive failed: %s" % type(exc).__name__, NodeState.FAILED)
+        else:
+            logger.debug("The node '%s' has sent a keep-alive heartbeat to the rendezvous '%s'.",
+                         self._this_node, self._settings.run_id)
+
+    def _depart(self) -> None:
+        """Take this node's keys out of etcd: marked as leaving in the round it trained in, else just revoked."""
+        trained_in = self._state_holder.formed
+        if trained_in is not None:  # tell the members of its round it leaves (it holds a key there)
+            self._rounds.depart(trained_in, self.member())
+        else:
+            self._rounds.leave()
+        self._state_holder.left()
+
     def start_report(self, formed: Formed) -> None:
         """Probe this node's ring successors and publish its reachability report on a thread, as soon as the
         round's membership is known: torch's handler then waits for rank 0's ``MASTER_ADDR``, and the
@@ -415,7 +482,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         rank = formed.rank_of(self._this_node)
         if self._reach_timeout is None or rank is None or len(formed.members) < 2 or self._probe_listener() is None:
             return
-        store = dist.PrefixStore(_round_store_prefix(self._settings.run_id, formed.round), self._store)
+        store = dist.PrefixStore(_round_store_prefix(self._settings.run_id, formed.round), self._etcd_store)
         addresses = [member.probe for member in formed.members]
         timeout, world_size = self._reach_timeout, len(formed.members)
         self._report = (formed.round, _Background(lambda: reach.report(store, rank, world_size, addresses, timeout)))
@@ -446,11 +513,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._this_node, self._state_holder.state.round, self._settings.run_id, sorted(left_out), world_size,
         )  # fmt: skip
         self._stop_heartbeats()
-        self._op_executor.leaving = True
-        try:
-            self._op_executor.run(_RendezvousExitOp(), time.monotonic() + self._settings.timeout.join.total_seconds())
-        finally:
-            self._op_executor.leaving = False
+        self._depart()
 
     def _rounds_state(self) -> _RoundsState:
         holder = self._state_holder
@@ -498,7 +561,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         warning, when etcd does not answer within ``connect_timeout``."""
         self._shut_down = True
         store = self._etcd_store
-        if store is not None and (store.exit_barrier_given_up or not store.answers()):
+        if store.exit_barrier_given_up or not store.answers():
             # torch's stop joins the heartbeat thread, which may be waiting read_timeout on etcd
             stopper = threading.Thread(target=self._stop_heartbeats, name="etcd-v3-stop-heartbeats", daemon=True)
             stopper.start()
@@ -508,19 +571,36 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 "keys expire with their lease)", store.probe_timeout, self._settings.run_id,
             )  # fmt: skip
             return False
-        if not super().shutdown():
+        self._stop_heartbeats()
+        try:
+            self._close()
+        except RendezvousError as exc:
+            message = "The node '%s' has failed to shutdown the rendezvous '%s' due to an error of type %s." % (
+                self._this_node, self._settings.run_id, type(exc).__name__)
+            self._record("shutdown", message, NodeState.FAILED)
+            logger.warning(message)
             return False
-        if self._rounds is not None:
-            try:
-                self._rounds.leave()  # the job is over: its keys go now, not when the lease expires
-            except EtcdConnectionError as exc:
-                logger.info("etcd-v3: could not revoke this node's lease at shutdown (it expires): %s", exc)
+        try:
+            self._rounds.leave()  # the job is over: its keys go now, not when the lease expires
+        except EtcdConnectionError as exc:
+            logger.info("etcd-v3: could not revoke this node's lease at shutdown (it expires): %s", exc)
         return True
 
     def is_closed(self) -> bool:
         """See base class (one read of etcd)."""
-        assert self._rounds is not None
         return self._rounds.is_closed()
+
+    def set_closed(self) -> None:
+        """See base class: the job is over for every node (one write)."""
+        with self._heartbeat_lock:
+            self._close()
+
+    def _close(self) -> None:
+        self._rounds.close_job()
+        self._state_holder.close()
+        message = "The node '%s' has closed the rendezvous '%s'." % (self._this_node, self._settings.run_id)
+        self._record("_close", message, NodeState.SUCCEEDED)
+        logger.info(message)
 
     def leave(self) -> None:
         """Take this node out of the current round, so the others re-form without waiting for its
@@ -531,13 +611,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return
         self._stop_heartbeats()
         self._check_in_at_exit_barrier(state.round, len(state.participants))
-        self._op_executor.leaving = True
-        self._op_executor.run(_RendezvousExitOp(), time.monotonic() + LEAVE_TIMEOUT_S)
+        self._depart()
         logger.info("etcd-v3: node %s left rendezvous %s", self._this_node, self._settings.run_id)
 
     def _check_in_at_exit_barrier(self, round_: int, agents: int) -> None:
-        if self._etcd_store is None:
-            return
         prefix = _round_store_prefix(self._settings.run_id, round_)
         if any(key.startswith(prefix + "/") for key in self._etcd_store.exit_barrier_check_ins):
             return  # the agent got there itself
@@ -545,8 +622,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if store.add(EXIT_BARRIER_COUNT, 1) == agents:
             store.set(EXIT_BARRIER_DONE, "<val_ignored>")
 
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING, rank: int | None = None) -> None:
-        _record_event(DynamicRendezvousHandler, self._this_node, self._settings.run_id, message, node_state, rank)
+    def _record(self, operation: str, message: str, node_state: NodeState = NodeState.RUNNING,
+                rank: int | None = None) -> None:
+        _record_event(operation, self._this_node, self._settings.run_id, message, node_state, rank)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round; at least 1 when this node is no longer in the round;
@@ -567,11 +645,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
     def _poll_timeout(self) -> float:
         """How long one poll may wait on etcd: ``connect_timeout``, as a probe during an outage."""
-        store = self._etcd_store
-        return store.probe_timeout if store is not None else self._settings.timeout.heartbeat.total_seconds()
+        return self._etcd_store.probe_timeout
 
     def _waiting_within(self, limit: float) -> int:
-        """torch's ``num_nodes_waiting`` (sync the state, count its wait list) in about ``limit`` seconds at most.
+        """The nodes waiting (sync the view, count its wait list) in about ``limit`` seconds at most.
 
         The agent polls this while its workers train, and a poll that lands as they exit delays the
         agent's exit by as long as it takes. So it does not wait behind a heartbeat (which holds the
@@ -599,7 +676,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _etcd_back(self) -> bool:
         """During an outage: whether a probe (at most every keep_alive_interval) got an answer."""
         now = time.monotonic()
-        if self._etcd_store is None or now - self._last_probe < self._settings.keep_alive_interval.total_seconds():
+        if now - self._last_probe < self._settings.keep_alive_interval.total_seconds():
             return False
         self._last_probe = now
         return self._etcd_store.answers()
@@ -652,7 +729,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._members = None  # once per round: the agent restarts the group and re-joins
         return True
 
-    def _agents_answer(self, gone: frozenset[_NodeDesc]) -> bool:
+    def _agents_answer(self, gone: frozenset[Node]) -> bool:
         """Whether every gone peer's agent still runs and this node reaches it: its probe listener answers
         (``reach.answers``, within a second). Such a peer lost only etcd (its keep-alives, so its lease):
         its workers still train with this node's, and restarting them would stop the job for nothing; it
@@ -676,7 +753,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
 
 
 def _round_store_prefix(run_id: str, round_: int) -> str:
-    """The prefix of one round's agents' store (torch's ``DynamicRendezvousHandler._wrap_store``)."""
+    """The prefix of one round's agents' store, where its ranks, its workers' address and torchrun's exit barrier are."""
     return f"torch.rendezvous.{run_id}.{round_}"
 
 
@@ -728,8 +805,6 @@ def _settings(params: RendezvousParameters) -> EtcdRendezvousSettings:
 def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """The ``etcd-v3`` handler for torchrun's rendezvous parameters (what torchrun calls).
 
-    Also gives every worker-group attempt a fresh worker store; see :func:`use_fresh_worker_store`.
-
     Raises:
         EtcdConfigError: an endpoint or ``--rdzv-conf`` value is invalid (a ``ValueError``).
     """
@@ -737,7 +812,6 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     settings = _settings(params)
     client = GrpcEtcdClient(settings.client_options())
     _first_contact(client, settings)
-    use_fresh_worker_store()
     return EtcdRendezvousHandler.build(settings, client, params.min_nodes, params.max_nodes, params.local_addr)
 
 
@@ -804,23 +878,6 @@ def report_own_errors_in_one_line() -> None:
 
     hook._elastic_ddp_one_line = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-def use_fresh_worker_store() -> None:
-    """Default ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` to ``1`` in this (the agent's) process.
-
-    With torch's default, the workers of every attempt share one TCPStore that the rank-0
-    agent hosts for its whole life, and the keys a killed attempt left there break about
-    half of all restarts: see ``RESTARTS.md`` in this package ("The fix, by depth", 1).
-    torch reads the variable at each ``next_rendezvous()`` and when it starts workers,
-    both after torchrun created this handler, so with it every round publishes a fresh
-    MASTER_PORT through this backend's store and rank 0's worker hosts an empty TCPStore
-    there. An explicit value in the agent's environment is respected (``0`` keeps torch's
-    shared store; the workers then warn about it).
-    """
-    if _FRESH_STORE_ENV not in os.environ:
-        os.environ[_FRESH_STORE_ENV] = "1"
-        logger.info("etcd-v3: %s=1, so every worker-group attempt gets a fresh store (RESTARTS.md)", _FRESH_STORE_ENV)
 
 
 def handler_factory() -> RendezvousHandlerCreator:

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -51,7 +54,6 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ddp.rendezvous._torch_compat import _NodeDesc
 from elastic_ddp.rendezvous.client import Absent, Delete, EtcdClient, KeyValue, Op, Put, Read, TxnResult, Watch
 from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdLeaseNotFoundError, EtcdStateError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
@@ -65,7 +67,32 @@ _MAX_MEMBERS = 1_000_000
 _LEAVING = "leaving"
 
 
-def node_key(node: _NodeDesc) -> str:
+_local_ids = itertools.count()
+"""Numbers the handlers of one process (a process may run several agents: tests, the scale harness)."""
+_local_ids_lock = threading.Lock()
+
+
+@dataclass(frozen=True, order=True)
+class Node:
+    """One agent of the job: its host, process and handler within the process. Rank order is this order."""
+
+    addr: str
+    pid: int
+    local_id: int
+
+    @staticmethod
+    def of_this_process(local_addr: str | None) -> Node:
+        """A new handler's node: ``local_addr`` (torchrun's ``--local-addr``), else this host's FQDN, as torchrun names
+        its nodes."""
+        with _local_ids_lock:
+            local_id = next(_local_ids)
+        return Node(local_addr or socket.getfqdn(), os.getpid(), local_id)
+
+    def __str__(self) -> str:
+        return node_key(self)
+
+
+def node_key(node: Node) -> str:
     """The node's name in keys: ``<addr>_<pid>_<local_id>``."""
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
@@ -74,7 +101,7 @@ def node_key(node: _NodeDesc) -> str:
 class Member:
     """A node as its key describes it."""
 
-    node: _NodeDesc
+    node: Node
     probe: str = ""
     """``host:port`` of the node's reachability probe listener; empty without one."""
     leaving: bool = False
@@ -103,7 +130,7 @@ class Member:
             raise ValueError("a node descriptor's pid or local_id is not a non-negative integer")
         if type(probe) is not str or len(probe) > 300:
             raise ValueError("a node descriptor's probe address is not a string")
-        return Member(_NodeDesc(addr, pid, local_id), probe, leaving=len(value) == 5)
+        return Member(Node(addr, pid, local_id), probe, leaving=len(value) == 5)
 
 
 @dataclass(frozen=True)
@@ -112,11 +139,11 @@ class Formed:
 
     round: int
     members: tuple[Member, ...]
-    """In rank order (torch's: sorted by node descriptor)."""
+    """In rank order: sorted by :class:`Node`, as torch's own rendezvous ranks its nodes."""
     revision: int
     """The etcd revision the closer's view was at: a node that trains in the round watches from there."""
 
-    def rank_of(self, node: _NodeDesc) -> int | None:
+    def rank_of(self, node: Node) -> int | None:
         for rank, member in enumerate(self.members):
             if member.node == node:
                 return rank
@@ -177,7 +204,7 @@ class RunningView:
     """Node keys of the round's members whose key still exists."""
     left: set[str] = field(default_factory=set)
     """Node keys of the watched members that marked their key as leaving (:meth:`Rounds.depart`): gone on purpose."""
-    waiting: dict[str, _NodeDesc] = field(default_factory=dict)
+    waiting: dict[str, Node] = field(default_factory=dict)
     """The next round's closer, once it exists: the first node waiting for that round."""
     error: EtcdConnectionError | None = None
     """Set while etcd does not answer the watch."""

@@ -20,15 +20,16 @@ import torch.distributed.run
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousHandler,
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from chaos.cluster import fork_servers, kill_fork_servers
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import handler_factory, reach
+from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler
 from elastic_ddp.rendezvous.rounds import node_key
 from tests.fixtures.etcd_proc import EtcdServer
 
@@ -36,12 +37,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "fixtures" / "rdzv_worker.py"
-
-
-@pytest.fixture(autouse=True)
-def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Handlers made in this process set TORCH_DISABLE_SHARE_RDZV_TCP_STORE; undo that after each test."""
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
 
 
 @pytest.fixture(autouse=True)
@@ -61,9 +56,9 @@ def test_entry_point_is_registered_for_torchrun() -> None:
     assert points["etcd-v3"].load() is handler_factory
 
 
-def test_registry_returns_a_dynamic_handler_named_etcd_v3(etcd_server: EtcdServer) -> None:
+def test_registry_returns_a_handler_on_torchs_public_contract_named_etcd_v3(etcd_server: EtcdServer) -> None:
     handler = get_rendezvous_handler(params(etcd_server.endpoint, "registry", 1))
-    assert isinstance(handler, DynamicRendezvousHandler)
+    assert isinstance(handler, EtcdRendezvousHandler) and isinstance(handler, RendezvousHandler)
     assert handler.get_backend() == "etcd-v3"
     info = handler.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
@@ -102,7 +97,7 @@ HEARTBEAT_EVERY_S = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2"}
 """A peer silent for 2 s leaves the round: for the tests of a peer gone."""
 
 
-def _two_nodes_in_one_round(endpoint: str, join_timeout: str, **conf: str) -> list[DynamicRendezvousHandler]:
+def _two_nodes_in_one_round(endpoint: str, join_timeout: str, **conf: str) -> list[EtcdRendezvousHandler]:
     """Two handlers of a 1:2 job that completed one round together (heartbeats every 60 s unless ``conf`` says)."""
     conf = {"last_call_timeout": "1", "keep_alive_interval": "60", "join_timeout": join_timeout, **conf}
     run_id = uuid.uuid4().hex[:8]
@@ -222,7 +217,7 @@ def test_next_rendezvous_fails_within_read_timeout_when_etcd_is_down(etcd_server
     assert time.monotonic() - start < 10
 
 
-def _one_node_in_a_round(endpoint: str) -> DynamicRendezvousHandler:
+def _one_node_in_a_round(endpoint: str) -> EtcdRendezvousHandler:
     """A 1-node job's handler after its first round (read_timeout 30 s, connect_timeout 2 s)."""
     handler = get_rendezvous_handler(params(endpoint, uuid.uuid4().hex[:8], 1, read_timeout="30", join_timeout="90",
                                             connect_timeout="2", keep_alive_interval="60"))
@@ -235,7 +230,6 @@ def test_the_agents_poll_gives_up_on_a_dead_etcd_within_connect_timeout_not_read
     the agent that long after its workers have exited (a job whose etcd is gone as it ends)."""
     handler = _one_node_in_a_round(etcd_server.endpoint)
     etcd_server.kill()
-    handler._state_holder._last_sync_time = -1.0  # type: ignore[attr-defined]  # read etcd, not torch's 1 s cache
     started = time.monotonic()
     assert handler.num_nodes_waiting() == 0
     assert time.monotonic() - started < 2 + 2
@@ -307,11 +301,11 @@ def test_a_reversed_node_range_is_one_usage_line_not_a_traceback(tmp_path: Path)
 
 def test_a_first_contact_within_connect_timeout_is_enough(etcd_server: EtcdServer) -> None:
     handler = get_rendezvous_handler(params(etcd_server.endpoint, "contact", 1, connect_timeout="1"))
-    assert isinstance(handler, DynamicRendezvousHandler)
+    assert isinstance(handler, EtcdRendezvousHandler)
     handler.shutdown()
 
 
-def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: bool) -> subprocess.Popen[bytes]:
+def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: str | None) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--monitor-interval=0.5",
@@ -320,7 +314,9 @@ def torchrun(endpoint: str, run_id: str, out_dir: Path, log: Path, share_store: 
         "--local-addr=127.0.0.1", str(WORKER), str(out_dir),
     ]  # fmt: skip
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "0" if share_store else "1"
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    if share_store is not None:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = share_store
     with open(log, "wb") as output:
         return subprocess.Popen(
             command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
@@ -333,15 +329,14 @@ def stop_process_group(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-@pytest.mark.parametrize("share_store", [True, False], ids=["agent-store", "worker-store"])
-def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
+@pytest.mark.parametrize("share_store", [None, "0"], ids=["unset", "asked-to-share"])
+def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3_on_a_store_their_rank_0_worker_hosts(
     etcd_server: EtcdServer,
     tmp_path: Path,
-    share_store: bool,
+    share_store: str | None,
 ) -> None:
-    """Both worker-store modes: the TCPStore of the rank-0 agent (torch's default), or, with
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, one that rank 0's worker hosts on a port published
-    through the etcd store."""
+    """Workers use a TCPStore that rank 0's worker hosts on a port published through the etcd store, not the
+    rank-0 agent's long-lived one, whatever TORCH_DISABLE_SHARE_RDZV_TCP_STORE says (torch's handlers read it)."""
     run_id = uuid.uuid4().hex[:8]
     agents = [
         torchrun(etcd_server.endpoint, run_id, tmp_path, tmp_path / ("agent-%d.log" % i), share_store) for i in range(2)
@@ -361,6 +356,7 @@ def test_two_torchrun_agents_form_a_gloo_job_through_etcd_v3(
     assert {report["world_size"] for report in reports} == {2}
     assert {report["sum"] for report in reports} == {3.0}
     assert sorted(report["group_rank"] for report in reports) == [0, 1]
+    assert {report["use_agent_store"] for report in reports} == {"False"}
 
 
 def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
@@ -384,7 +380,7 @@ def test_a_torchrun_agent_starts_its_fork_server_and_joins_once_it_is_warm(
 
 
 def _three_nodes_the_third_cut_off(endpoint: str, monkeypatch: pytest.MonkeyPatch,
-                                   cut_off: threading.Event) -> list[DynamicRendezvousHandler]:
+                                   cut_off: threading.Event) -> list[EtcdRendezvousHandler]:
     """Three handlers of a 1:3 job (1 s heartbeats and probes). The third's probe listener is closed, so
     nobody reaches it, and while ``cut_off`` is set its probes (made on a thread named ``node-2``, or on one of
     that thread's helpers) fail."""

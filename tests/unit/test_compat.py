@@ -7,25 +7,23 @@ only) when they are imported; the tests at the end run that check against stub m
 
 from __future__ import annotations
 
-import dis
+import ast
 import importlib
 import importlib.util
 import inspect
 import operator
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pytest
 import s3fs
 import torch
-import torch.distributed as dist
 from packaging import requirements as pep508
 from torch.distributed.elastic import events
 from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.events import handlers as event_handlers
-from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.utils import store as store_util
 
 from elastic_ddp import _torch_compat
@@ -36,7 +34,6 @@ from elastic_ddp.checkpoint.storage import open_storage
 from elastic_ddp.errors import CheckpointError, ElasticDDPError
 from elastic_ddp.prefork import PRELOAD
 from elastic_ddp.rendezvous import _torch_compat as rdzv_torch_compat
-from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler, _round_store_prefix
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EXIT_BARRIER_PREFIX
 
 if sys.version_info >= (3, 11):
@@ -47,18 +44,6 @@ else:
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 SIGNATURES = {
-    (dynamic_rendezvous, "_RendezvousOpExecutor.run"): "(self, state_handler, deadline, update_deadline=None)",
-    (dynamic_rendezvous, "_RendezvousContext"): "(node, state, settings)",
-    (dynamic_rendezvous, "_RendezvousExitOp"): "()",
-    (dynamic_rendezvous, "_RendezvousJoinOp"): "()",
-    (dynamic_rendezvous, "_RendezvousCloseOp"): "()",
-    (dynamic_rendezvous, "_RendezvousKeepAliveOp"): "()",
-    (dynamic_rendezvous, "DynamicRendezvousHandler.__init__"): "(self, node, settings, backend_name, store, state_holder)",
-    (dynamic_rendezvous, "DynamicRendezvousHandler._stop_heartbeats"): "(self)",
-    (dynamic_rendezvous, "DynamicRendezvousHandler._wrap_store"): "(self, store)",
-    (dynamic_rendezvous, "DynamicRendezvousHandler._record"): (
-        "(self, message, node_state=<NodeState.RUNNING: 'RUNNING'>, rank=None)"
-    ),
     (s3fs, "S3FileSystem._call_s3"): "(self, method, *akwarglist, **kwargs)",
 }
 """What elastic_ddp calls or overrides, as the supported releases define it (annotations left out).
@@ -66,7 +51,6 @@ Of s3fs's ``_pipe_file`` only the ``mode`` parameter matters: ``_s3fs_compat`` c
 
 REQUIRED = {
     "_torch_compat.REQUIRED": (_torch_compat.REQUIRED, torch),
-    "rendezvous._torch_compat.REQUIRED": (rdzv_torch_compat.REQUIRED, dynamic_rendezvous),
     "rendezvous._torch_compat.REQUIRED_IN_STORE_UTIL": (rdzv_torch_compat.REQUIRED_IN_STORE_UTIL, store_util),
     "checkpoint._s3fs_compat.REQUIRED": (_s3fs_compat.REQUIRED, s3fs),
 }
@@ -88,11 +72,40 @@ def test_every_name_a_compat_module_checks_is_there(requirements: tuple[Requirem
     assert [problem for required in requirements for problem in required.problems(module)] == []
 
 
-def test_rendezvous_compat_exports_torchs_own_objects() -> None:
-    for name in ("_Action", "_NodeDesc", "_RendezvousCloseOp", "_RendezvousContext", "_RendezvousExitOp",
-                 "_RendezvousJoinOp", "_RendezvousKeepAliveOp", "_RendezvousOpExecutor", "_RendezvousState",
-                 "_RendezvousStateHolder"):  # fmt: skip
-        assert getattr(rdzv_torch_compat, name) is getattr(dynamic_rendezvous, name)
+def _private_torch_names(source: str) -> list[str]:
+    """Every name of torch's that starts with ``_`` which ``source`` imports or reads as an attribute."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+            found += [node.module for part in (node.module or "").split(".") if part.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names
+                      if alias.name.split(".")[0] == "torch" and any(part.startswith("_") for part in alias.name.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in {"torch", "dist", "dynamic_rendezvous", "store_util"}:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_rendezvous_package_names_no_private_torch_name_outside_its_compat_module() -> None:
+    """The handler is on torch's public contract; the exit barrier's keys alone come through the compat module."""
+    package = Path(rdzv_torch_compat.__file__).parent
+    found = {path.name: names for path in sorted(package.glob("*.py")) if path.name != "_torch_compat.py"
+             if (names := _private_torch_names(path.read_text()))}
+    assert found == {}
+    assert _private_torch_names("from torch.distributed.elastic.rendezvous import dynamic_rendezvous as d\n"
+                                "from torch.distributed.elastic.utils.store import _NUM_MEMBERS\n"
+                                "import torch._dynamo\nx = dist._get_default_group()\n") == [
+        "torch.distributed.elastic.utils.store._NUM_MEMBERS", "torch._dynamo", "dist._get_default_group"]
+
+
+def test_the_rendezvous_compat_module_exports_torchs_own_objects() -> None:
+    assert rdzv_torch_compat._NUM_MEMBERS is store_util._NUM_MEMBERS
+    assert rdzv_torch_compat._LAST_MEMBER_CHECKIN is store_util._LAST_MEMBER_CHECKIN
 
 
 def test_exit_barrier_keys_are_torchs() -> None:
@@ -100,25 +113,6 @@ def test_exit_barrier_keys_are_torchs() -> None:
     assert EXIT_BARRIER_PREFIX == agent_api._TERMINAL_STATE_SYNC_ID
     assert EXIT_BARRIER_COUNT == agent_api._TERMINAL_STATE_SYNC_ID + store_util._NUM_MEMBERS
     assert EXIT_BARRIER_DONE == agent_api._TERMINAL_STATE_SYNC_ID + store_util._LAST_MEMBER_CHECKIN
-
-
-def test_round_store_prefix_is_the_one_torch_wraps_the_store_in() -> None:
-    state = SimpleNamespace(round=3)
-    handler = SimpleNamespace(_settings=SimpleNamespace(run_id="job"), _state_holder=SimpleNamespace(state=state))
-    base = dist.HashStore()
-    dynamic_rendezvous.DynamicRendezvousHandler._wrap_store(handler, base).set("key", "value")
-    assert base.check([_round_store_prefix("job", 3) + "/key"])
-
-
-def test_etcd_handler_shadows_no_private_name_of_torchs_handler() -> None:
-    """An attribute torch adds under one of our names would silently be replaced by ours (or ours by it)."""
-    overridden = {"_record", "_op_executor"}  # on purpose: see EtcdRendezvousHandler
-    ours = {name for name in vars(EtcdRendezvousHandler) if name.startswith("_") and not name.startswith("__")}
-    ours -= {"_abc_impl"}  # every subclass of an ABC has its own
-    ours |= {ins.argval for ins in dis.get_instructions(EtcdRendezvousHandler.__init__) if ins.opname == "STORE_ATTR"}
-    torch_handler = dynamic_rendezvous.DynamicRendezvousHandler
-    torch_names = set(dir(torch_handler)) | {name for cls in torch_handler.__mro__ for name in inspect.get_annotations(cls)}
-    assert (ours - overridden) & torch_names == set()
 
 
 def test_private_names_the_tests_use_are_there() -> None:
@@ -196,47 +190,65 @@ def _failure(module: ModuleType, requirements: Any, version: str = "9.9.9") -> s
     return message
 
 
+def _library(**replaced: Any) -> ModuleType:
+    """A stand-in for a torch module: a private class, and a class with a method and an annotated attribute."""
+
+    class Executor:
+        closed: bool
+
+        def run(self, handler: Any, deadline: float, update_deadline: Any = None) -> None:
+            pass
+
+    module = ModuleType("torch.distributed.example")
+    module.__dict__.update(_Op=type("_Op", (), {}), Executor=Executor)
+    module.__dict__.update(replaced)
+    return module
+
+
+EXAMPLE = (
+    Private(name="_Op", used_in="the example's operations"),
+    Private(name="Executor.run", parameters=("self", "handler", "deadline", "update_deadline"), used_in="runs them"),
+    Private(name="Executor", attributes=("closed",), used_in="reads closed"),
+)
+
+
 def test_a_missing_name_is_one_line_naming_the_version_the_name_and_the_range() -> None:
-    stub = _stub(dynamic_rendezvous, without="_RendezvousExitOp")
-    message = _failure(stub, rdzv_torch_compat.REQUIRED)
-    assert message == (
+    assert _failure(_stub(_library(), without="_Op"), EXAMPLE) == (
         "elastic_ddp supports torch>=2.13,<2.14, and the installed torch 9.9.9 lacks what it relies on: "
-        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousExitOp is missing. "
+        "torch.distributed.example._Op is missing. "
         "Install a supported version: pip install 'torch>=2.13,<2.14'"
     )
 
 
 def test_every_problem_is_in_the_one_message() -> None:
-    class Executor(dynamic_rendezvous._RendezvousOpExecutor):
-        def run(self, state_handler: Any, deadline: float) -> None:  # update_deadline gone
+    class Executor:
+        closed: bool
+
+        def run(self, handler: Any, deadline: float) -> None:  # update_deadline gone
             pass
 
-    stub = _stub(dynamic_rendezvous, without="_NodeDesc", _RendezvousOpExecutor=Executor)
-    message = _failure(stub, rdzv_torch_compat.REQUIRED)
-    assert "dynamic_rendezvous._NodeDesc is missing" in message
-    assert "_RendezvousOpExecutor.run takes (self, state_handler, deadline), " \
-           "not (self, state_handler, deadline, update_deadline)" in message  # fmt: skip
+    message = _failure(_stub(_library(Executor=Executor), without="_Op"), EXAMPLE)
+    assert "torch.distributed.example._Op is missing" in message
+    assert "Executor.run takes (self, handler, deadline), not (self, handler, deadline, update_deadline)" in message
 
 
 def test_problems_in_several_modules_of_one_library_are_in_one_message() -> None:
     stubs = {
-        _stub(dynamic_rendezvous, without="_RendezvousExitOp"): rdzv_torch_compat.REQUIRED,
+        _stub(_library(), without="_Op"): EXAMPLE,
         _stub(store_util, without="_LAST_MEMBER_CHECKIN"): rdzv_torch_compat.REQUIRED_IN_STORE_UTIL,
     }
     with pytest.raises(IncompatibleLibraryError) as info:
         check(stubs, version="9.9.9", supported="torch>=2.13,<2.14")
     message = str(info.value)
-    assert "_RendezvousExitOp is missing; torch.distributed.elastic.utils.store._LAST_MEMBER_CHECKIN is missing" in message
+    assert "example._Op is missing; torch.distributed.elastic.utils.store._LAST_MEMBER_CHECKIN is missing" in message
 
 
 def test_a_missing_attribute_is_named() -> None:
-    class State:
-        round: int
-        complete: bool
-        participants: dict
+    class Executor:
+        def run(self, handler: Any, deadline: float, update_deadline: Any = None) -> None:
+            pass
 
-    message = _failure(_stub(dynamic_rendezvous, _RendezvousState=State), rdzv_torch_compat.REQUIRED)
-    assert "_RendezvousState.closed is missing" in message
+    assert "Executor.closed is missing" in _failure(_library(Executor=Executor), EXAMPLE)
 
 
 def test_a_behaviour_whose_probe_finds_nothing_does_not_hold() -> None:
@@ -253,7 +265,6 @@ def test_a_builtin_without_signature_is_reported_not_crashed_on() -> None:
     ("compat", "module", "name"),
     [
         ("elastic_ddp._torch_compat", torch, "_foreach_div_"),
-        ("elastic_ddp.rendezvous._torch_compat", dynamic_rendezvous, "_RendezvousExitOp"),
         ("elastic_ddp.rendezvous._torch_compat", store_util, "_NUM_MEMBERS"),
         ("elastic_ddp.checkpoint._s3fs_compat", s3fs.S3FileSystem, "_call_s3"),
     ],

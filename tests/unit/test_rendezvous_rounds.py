@@ -17,11 +17,10 @@ from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, RendezvousTimeoutError
 
-from elastic_ddp.rendezvous._torch_compat import _NodeDesc
 from elastic_ddp.rendezvous.errors import EtcdLeaseNotFoundError
 from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler, create_rdzv_handler
 from elastic_ddp.rendezvous.lease import LeaseKeeper
-from elastic_ddp.rendezvous.rounds import Member, node_key
+from elastic_ddp.rendezvous.rounds import Member, Node, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EtcdStore
 from tests.fixtures.fake_etcd import FakeEtcdClient
@@ -307,7 +306,7 @@ def test_a_node_that_leaves_marks_its_key_leaving_before_its_lease_goes(client: 
 
 
 def test_a_node_descriptor_says_leaving_with_one_word_after_its_probe() -> None:
-    member = Member(_NodeDesc("host", 7, 0), "127.0.0.1:9")
+    member = Member(Node("host", 7, 0), "127.0.0.1:9")
     leaving = dataclasses.replace(member, leaving=True)
     assert Member.decode(member.encode()) == member and Member.decode(leaving.encode()) == leaving
     assert leaving.encode()[4] == "leaving"
@@ -365,32 +364,32 @@ def test_a_closed_rendezvous_refuses_a_join(client: FakeEtcdClient) -> None:
 
 
 @pytest.fixture
-def no_store_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """An agent environment that does not set TORCH_DISABLE_SHARE_RDZV_TCP_STORE (restored afterwards),
-    with the handler's first contact with etcd answered (these tests have no etcd) and the interpreter's
-    excepthook, which the handler replaces in torchrun's process, restored."""
+def no_first_contact(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The handler's first contact with etcd answered (these tests have no etcd), and the interpreter's excepthook,
+    which the handler replaces in torchrun's process, restored."""
     import sys
 
     from elastic_ddp.rendezvous import etcd
 
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setattr(etcd, "_first_contact", lambda client, settings: None)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     return monkeypatch
 
 
-def test_handler_defaults_to_a_fresh_worker_store_per_attempt(no_store_choice: pytest.MonkeyPatch) -> None:
-    """torchrun creates the handler before its first round; from then on workers get no shared agent store."""
+@pytest.mark.parametrize("choice", [None, "0", "1"])
+def test_every_attempt_gets_a_fresh_worker_store_and_the_environment_is_left_alone(
+        no_first_contact: pytest.MonkeyPatch, choice: str | None) -> None:
+    """Workers never share an agent's long-lived store (exported to them as TORCHELASTIC_USE_AGENT_STORE), and
+    creating the handler changes nothing that other handlers in the process read (torch's own read
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    if choice is None:
+        no_first_contact.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    else:
+        no_first_contact.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", choice)
+    before = dict(os.environ)
     handler = create_rdzv_handler(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, "127.0.0.1"))
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    assert handler.use_agent_store is False  # exported to workers as TORCHELASTIC_USE_AGENT_STORE
-
-
-def test_explicit_shared_store_choice_is_kept(no_store_choice: pytest.MonkeyPatch) -> None:
-    no_store_choice.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
-    handler = create_rdzv_handler(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, "127.0.0.1"))
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
-    assert handler.use_agent_store is True
+    assert handler.use_agent_store is False
+    assert dict(os.environ) == before
 
 
 def test_a_rendezvous_does_not_inspect_the_stack_for_events_nobody_records(
@@ -407,7 +406,7 @@ def test_a_rendezvous_does_not_inspect_the_stack_for_events_nobody_records(
     handler.shutdown()
 
 
-def test_recorded_events_keep_torchs_names(client: FakeEtcdClient, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recorded_events_name_the_handler_and_its_operation(client: FakeEtcdClient, monkeypatch: pytest.MonkeyPatch) -> None:
     records: list[str] = []
 
     class Collect(logging.Handler):
@@ -420,4 +419,4 @@ def test_recorded_events_keep_torchs_names(client: FakeEtcdClient, monkeypatch: 
     handler.next_rendezvous()
     handler.shutdown()
     names = {json.loads(record)["name"].split(":", 1)[1] for record in records}
-    assert "DynamicRendezvousHandler.next_rendezvous" in names
+    assert {"EtcdRendezvousHandler.next_rendezvous", "EtcdRendezvousHandler._close"} <= names
