@@ -7,7 +7,10 @@ torch's dynamic-rendezvous internals have their own module, ``elastic_ddp/rendez
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 
 from elastic_ddp._compat import Private, check, warn_if_untested
 
@@ -29,3 +32,12 @@ check({torch: REQUIRED}, version=torch.__version__, supported=SUPPORTED)
 warn_if_untested(torch.__version__, tested=TESTED, supported=SUPPORTED)
 
 foreach_div_ = torch._foreach_div_
+
+
+def group_abort(group: dist.ProcessGroup) -> Callable[[], None] | None:
+    """``group.abort`` where this torch's ``ProcessGroup`` has it (2.13 and 2.14 do; it is public but not
+    promised by every build), else None: :func:`elastic_ddp.distributed.abandon_group` then destroys the
+    group as before. Aborting ends the group's communicators without the clean shutdown that
+    ``destroy_process_group`` attempts, which with NCCL can wait on a peer that is gone."""
+    abort = getattr(group, "abort", None)
+    return abort if callable(abort) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_ddp._torch_compat import group_abort
 from elastic_ddp.config import DistConfig
 from elastic_ddp.errors import DistributedInitError
 
@@ -118,7 +120,10 @@ def cpu_group(world_size: int, timeout_s: float, own: bool) -> dist.ProcessGroup
     they would interleave with its all-reduces."""
     if world_size == 1 or (not own and dist.get_backend() == "gloo"):
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # every rank is a member of a group of all ranks; torch types the non-member's answer in too
+    assert isinstance(group, dist.ProcessGroup), group
+    return group
 
 
 STORE_PROBE_INTERVAL_S = 0.005
@@ -197,7 +202,7 @@ def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistCo
         logger.warning(
             "workers share torchrun's long-lived agent store (MASTER_PORT=%d, restart %d): keys left by a failed "
             "attempt can break the next restart. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-            "(elastic_ddp's launch scripts and the etcd-v3 rendezvous do) to give every attempt a fresh store",
+            "(elastic_ddp's launch scripts do; the etcd-v3 rendezvous never shares it) to give every attempt a fresh store",
             env.master_port, env.restart_count,
         )
     return DistContext(env=env, device=device, backend=backend)
@@ -212,6 +217,39 @@ def shutdown_distributed() -> None:
     """Destroy the default process group if one exists; safe to call on any exit path."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+ABANDON_TIMEOUT_S = 5.0
+"""How long :func:`abandon_group` waits for torch to let go of a broken group before it gives up on it."""
+
+
+def abandon_group(timeout_s: float = ABANDON_TIMEOUT_S) -> str:
+    """Give up the default process group after a peer is lost: abort it where torch has
+    ``ProcessGroup.abort``, then destroy it, so that a new group can be formed in this process; where torch
+    has no abort, destroy it as :func:`shutdown_distributed` does.
+
+    Runs on a thread of its own and waits at most ``timeout_s`` (a collective of the broken group may hold
+    it). Returns what was done: ``"abort"``, ``"destroy"``, ``"none"`` (no group), or ``"stuck"`` (torch did
+    not return in time; the caller ends the process anyway)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "none"
+    abort = group_abort(dist.group.WORLD)  # type: ignore[arg-type]
+    done = threading.Event()
+
+    def let_go() -> None:
+        if abort is not None:
+            abort()
+        dist.destroy_process_group()
+        done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=let_go, name="elastic-ddp-abandon-group", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.warning("the broken process group was not let go within %.1f s", timeout_s)
+        return "stuck"
+    how = "abort" if abort is not None else "destroy"
+    logger.info("abandoned the broken process group (%s) in %.3f s", how, time.monotonic() - started)
+    return how
 
 
 @contextmanager

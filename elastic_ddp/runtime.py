@@ -43,7 +43,7 @@ from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, cpu_group, shares_agent_store
+from elastic_ddp.distributed import LaunchEnv, abandon_group, cpu_group, shares_agent_store
 from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog, SampleLedger
 from elastic_ddp.logs import main_only
@@ -78,6 +78,10 @@ def failure_reason(exc: BaseException) -> ExitReason | None:
     if isinstance(exc, ElasticDDPError):
         return ExitReason.ERROR
     return None
+
+
+ABANDON_GROUP_S = 1.0
+"""How long the group watch's abandon waits for torch to let go of the broken group before the process ends."""
 
 
 def exit_in_one_line(reason: ExitReason, detail: str, events: EventLog) -> int:
@@ -186,6 +190,8 @@ class Runtime:
         self._restored = False
         self._finished = False
         self._done_reported = False
+        self._group_broken = False
+        """A peer was lost mid-collective: :meth:`close` abandons the process group (abort where torch has it)."""
         self._last_commit_step: int | None = None
         self._boundary: tuple[int, int] = (0, 0)
         """(step, samples the sampler committed) at the last step boundary: a step that consumed nothing is refused."""
@@ -352,6 +358,7 @@ class Runtime:
             exit_unhandled(self.events, exc)
             return False
         logger.debug("the error that ended the loop", exc_info=exc)
+        self._group_broken = reason is ExitReason.PEER_LOST
         self.exit_status = exit_in_one_line(reason, detail, self.events)
         return True
 
@@ -380,6 +387,8 @@ class Runtime:
                 self.ledger.close()
                 self.ledger = None
             self.background = self.replicas = self.checkpoints = None
+            if self._group_broken:  # last: the parts above may still speak on their own groups
+                abandon_group()
 
     # -- resume ------------------------------------------------------------------
 
@@ -615,4 +624,7 @@ class Runtime:
         self.events.close()
         for handler in logging.getLogger().handlers:
             handler.flush()
+        # after the exit line: end the group's communicators (abort where torch has it) rather than leave them
+        # to the process's exit; bounded, since the training thread still waits in one of its collectives
+        abandon_group(timeout_s=ABANDON_GROUP_S)
         os._exit(ExitReason.PEER_LOST.status)

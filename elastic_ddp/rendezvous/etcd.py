@@ -75,7 +75,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSe
 from elastic_ddp import prefork
 from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous.client import EtcdClient, GrpcEtcdClient
-from elastic_ddp.rendezvous.errors import EtcdConnectionError, EtcdRendezvousError
+from elastic_ddp.rendezvous.errors import EtcdAuthError, EtcdConnectionError, EtcdRendezvousError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.rounds import Formed, Member, Node, RoundRules, Rounds, RoundWatch, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
@@ -820,6 +820,10 @@ def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None
     closed port is a start-up error, not ``read_timeout`` of silence in the first join."""
     try:
         status = client.status(timeout=settings.connect_timeout)
+    except EtcdAuthError as exc:
+        # a member did answer: it refused who we said we are, which is no connection failure
+        raise EtcdAuthError(f"etcd-v3: etcd at {','.join(settings.endpoints)} refused the credentials of user "
+                            f"{settings.user!r}: {exc}") from exc
     except EtcdConnectionError as exc:
         raise EtcdConnectionError(
             f"etcd-v3: no etcd member answered at {','.join(settings.endpoints)} within {settings.connect_timeout} s "

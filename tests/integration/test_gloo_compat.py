@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from chaos.cluster import free_port
 
@@ -35,3 +36,31 @@ def test_gloo_still_says_a_peer_closed_the_connection_in_words_peer_loss_recogni
     outcome = json.loads(out.strip().splitlines()[-1])
     assert outcome["raised"] == "RuntimeError", outcome
     assert outcome["recognised"], outcome["message"]
+
+
+ABANDON = Path(__file__).resolve().parents[1] / "fixtures" / "group_abandon.py"
+
+
+def _abandon_and_form_again(path: str) -> list[dict[str, object]]:
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(ABANDON), str(rank), str(port), path], stdout=subprocess.PIPE,
+                              text=True) for rank in (0, 1, 2)]
+    try:
+        outs = [ranks[rank].communicate(timeout=120)[0] for rank in (0, 1)]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def test_survivors_abort_the_broken_group_where_torch_can_and_form_a_new_one_in_process() -> None:
+    how = "abort" if callable(getattr(dist.ProcessGroup, "abort", None)) else "destroy"
+    for outcome in _abandon_and_form_again("abort"):
+        assert outcome == {"raised": True, "how": how, "group_left": False, "sum": 2.0}, outcome
+
+
+def test_without_abort_survivors_destroy_the_broken_group_and_form_a_new_one_in_process() -> None:
+    for outcome in _abandon_and_form_again("destroy"):
+        assert outcome == {"raised": True, "how": "destroy", "group_left": False, "sum": 2.0}, outcome

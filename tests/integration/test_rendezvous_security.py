@@ -90,6 +90,18 @@ def test_wrong_password_fails_fast_with_auth_error_and_hides_the_password(auth_e
     assert isinstance(info.value, RendezvousConnectionError)
 
 
+def test_a_handler_with_a_wrong_password_says_etcd_refused_the_user_not_that_no_member_answered(
+    auth_etcd: EtcdServer,
+) -> None:
+    with pytest.raises(EtcdAuthError) as info:
+        create_rdzv_handler(params(auth_etcd.endpoint, user="train", password="not-the-password"))
+    message = str(info.value)
+    assert message.startswith(f"etcd-v3: etcd at {auth_etcd.endpoint} refused the credentials of user 'train'")
+    assert "no etcd member answered" not in message
+    assert "not-the-password" not in message
+    assert "\n" not in message
+
+
 def test_keys_outside_the_granted_prefix_are_refused(auth_etcd: EtcdServer) -> None:
     store = connect(auth_etcd.endpoint, user="train", password="trainpw", key_prefix="/elsewhere")
     with pytest.raises(EtcdAuthError, match="permission denied"):

@@ -62,3 +62,28 @@ def test_a_rank_that_starts_before_rank_0s_store_connects_to_it(monkeypatch) -> 
     thread.join()
     store.set("from-rank-1", b"hello")
     assert servers[0].get("from-rank-1") == b"hello"
+
+
+def test_abandoning_a_group_that_torch_does_not_let_go_of_returns_at_the_timeout(monkeypatch) -> None:
+    from elastic_ddp import distributed
+
+    release = threading.Event()
+    monkeypatch.setattr(distributed, "group_abort", lambda group: release.wait)  # an abort that hangs
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        started = time.monotonic()
+        assert distributed.abandon_group(timeout_s=0.2) == "stuck"
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+        deadline = time.monotonic() + 10
+        while dist.is_initialized() and time.monotonic() < deadline:  # the abandoning thread destroys it
+            time.sleep(0.01)
+    assert not dist.is_initialized()
+
+
+def test_abandoning_without_a_group_does_nothing() -> None:
+    from elastic_ddp.distributed import abandon_group
+
+    assert not dist.is_initialized()
+    assert abandon_group() == "none"
