@@ -476,7 +476,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def start_report(self, formed: Formed) -> None:
         """Probe this node's ring successors and publish its reachability report on a thread, as soon as the
-        round's membership is known: torch's handler then waits for rank 0's ``MASTER_ADDR``, and the
+        round's membership is known: the handler then waits for rank 0's ``MASTER_ADDR``, and the
         judge's wait for every report overlaps that wait instead of following it."""
         self._report = None
         rank = formed.rank_of(self._this_node)
