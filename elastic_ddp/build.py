@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from elastic_ddp.batch import collate, to_device
+from elastic_ddp.errors import ConfigError
 from elastic_ddp.state import Stateful
 
 
@@ -68,7 +70,13 @@ outside the training step's autocast (apply your own if the model should evaluat
 
 
 def per_sample_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The default loss: cross-entropy per sample (classification logits ``[n, classes]``)."""
+    """The default loss: cross-entropy per sample (classification logits ``[n, classes]``, class indices ``[n]``).
+    Other outputs or targets (a dict, a model output object) are refused in one line: give ``Built(loss_fn=...)``."""
+    for what, value in (("model returned", outputs), ("targets are", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"the default loss takes logits [n, classes] and class indices [n], but the {what} a "
+                              f"{type(value).__name__}: give Built(loss_fn=...) a function of (outputs, targets) that "
+                              "returns per-sample losses")
     return F.cross_entropy(outputs.float(), targets, reduction="none")
 
 
@@ -77,9 +85,15 @@ def accuracy_on(eval_data: Dataset, batch_size: int = 1024) -> EvalFn:
 
     def evaluate(model: torch.nn.Module, device: torch.device) -> dict[str, float]:
         correct = total = 0
-        for batch in DataLoader(eval_data, batch_size=batch_size):
-            inputs, targets = (t.to(device) for t in batch[:2])
-            correct += int((model(inputs).argmax(dim=-1) == targets).sum())
+        for batch in DataLoader(eval_data, batch_size=batch_size, collate_fn=collate):
+            inputs, targets = to_device(batch[0], device), to_device(batch[1], device)
+            outputs = model(inputs)
+            if not isinstance(outputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
+                raise ConfigError(f"the default evaluation compares the argmax of logits [n, classes] with class indices "
+                                  f"[n], but the model returned a {type(outputs).__name__} and the targets are a "
+                                  f"{type(targets).__name__}: give Built(evaluate=...) a function of (model, device) "
+                                  "that returns named metrics")
+            correct += int((outputs.argmax(dim=-1) == targets).sum())
             total += targets.numel()
         return {"accuracy": correct / total} if total else {}
 
@@ -92,8 +106,10 @@ class Built:
 
     model: torch.nn.Module
     train_data: Dataset
-    """A map-style dataset; items are ``(inputs, targets)`` or ``(inputs, targets, sample_id)``
-    (with the id, every rank checks it received exactly the samples the global cursor planned)."""
+    """A map-style dataset; items are ``(inputs, targets)`` or ``(inputs, targets, sample_id)``, where inputs
+    and targets are tensors or any nesting of dicts, lists, tuples and dataclasses of them (:mod:`elastic_ddp.batch`;
+    the model's ``forward`` gets the inputs as one argument, collated). With the id, every rank checks it received
+    exactly the samples the global cursor planned."""
     eval_data: Dataset | None = None
     """Held-out data for the default evaluation (accuracy); ignored when ``evaluate`` is given."""
     loss_fn: LossFn = per_sample_cross_entropy

@@ -6,7 +6,7 @@ help text is the field's docstring. A field of a section is spelled
 top-level field is ``--<field>`` (``--max-steps``). A TOML or JSON file given with
 ``--config`` is layered under the flags, with one table per section.
 
-The runtime owns only its own sections (loader, optim, checkpoint, dist, resilience, log).
+The runtime owns only its own sections (loader, optim, ddp, checkpoint, dist, resilience, log).
 A training script adds its own by subclassing :class:`TrainConfig`::
 
     @dataclass(frozen=True, kw_only=True)
@@ -139,6 +139,34 @@ class OptimConfig:
             found.append(("min_lr_ratio", "must be in [0, 1]"))
         if self.grad_clip_norm < 0:
             found.append(("grad_clip_norm", "must be >= 0 (0 disables clipping)"))
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class DdpConfig:
+    """How the trainer wraps the model in DistributedDataParallel (the library path builds its own)."""
+
+    find_unused_parameters: bool = False
+    """Let the forward leave some parameters unused (a head used only for evaluation, a branch taken on some
+    steps, experts that get no tokens). Off is faster: DDP then expects every parameter's gradient each step,
+    and the trainer ends the run at the first step, naming the parameters that got none."""
+    static_graph: bool = False
+    """The set of used parameters and the order of their gradients are the same every step: DDP may then
+    skip its per-step searches and reorder buckets; a model whose graph changes fails with it."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank at each forward, so every rank and the
+    checkpoint hold the same; a model without buffers pays nothing for it. Off: they are copied once, when
+    the model is wrapped, and then each rank's evolve on their own."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into DDP's all-reduce buckets: one copy fewer per step, and less memory."""
+    bucket_cap_mb: float = 25.0
+    """Size of each all-reduce bucket in MiB: larger buckets mean fewer collectives, smaller ones start
+    communicating sooner in the backward pass."""
+
+    def problems(self) -> Problems:
+        found: Problems = []
+        if not (math.isfinite(self.bucket_cap_mb) and 0 < self.bucket_cap_mb <= 4096):
+            found.append(("bucket_cap_mb", "must be a number of MiB in (0, 4096]"))
         return found
 
 
@@ -346,9 +374,15 @@ class TrainConfig:
     """Run Python's garbage collector every N steps, on all ranks at the same step, instead of
     automatically (an automatic collection pauses one rank at a time and the others wait for it at
     the next all-reduce). 0: leave Python's automatic collection on."""
+    compile: bool = False
+    """Compile the model's forward and backward with torch.compile (the first steps are slower while it
+    compiles). Checkpoints keep the uncompiled module's keys, so compiled and uncompiled runs resume each other."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile's mode (with --compile)."""
 
     loader: LoaderConfig = field(default_factory=LoaderConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
@@ -384,6 +418,8 @@ class TrainConfig:
             found.append(("eval_every", "must be >= 0"))
         if self.gc_every < 0:
             found.append(("gc_every", "must be >= 0 (0: automatic collection)"))
+        if self.compile_mode != "default" and not self.compile:
+            found.append(("compile_mode", "needs --compile"))
         if self.optim.schedule != "constant" and self.optim.decay_steps == 0 and self.max_steps == 0:
             found.append(("optim_decay_steps", "a decaying --optim-schedule needs --optim-decay-steps or --max-steps"))
         return found
@@ -602,6 +638,9 @@ def config_from_args(
         values.update(namespace)
         return make_config(values, config_class)
     except ConfigError as exc:
+        from elastic_ddp.resilience.exits import ExitReason, tell_the_agent  # imports events: only on this path
+
+        tell_the_agent(ExitReason.CONFIG, str(exc))
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

@@ -49,6 +49,11 @@ class IncompatibleCheckpointError(CheckpointError):
     """A checkpoint was made with a config that cannot be resumed by this run."""
 
 
+class ResumeRefusedError(IncompatibleCheckpointError, ConfigError):
+    """The checkpoint was made with another configuration (a fingerprinted flag, the model's shapes, sharded
+    optimizer state at another world size): a configuration mistake, so the run ends as ``config``."""
+
+
 class UsageError(ElasticDDPError):
     """The runtime was called out of order (a save before the restore), or a step broke the contract of the
     loop around it (a step whose data position did not move: a forgotten ``sampler.commit``)."""

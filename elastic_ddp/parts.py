@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from numbers import Real
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from elastic_ddp.batch import collate
 from elastic_ddp.build import Built, WeightedLoss
 from elastic_ddp.config import BUILD_PREFIX, LoaderConfig, OptimConfig, TrainConfig, fingerprint
 from elastic_ddp.data import ElasticSampler
@@ -111,6 +112,10 @@ def check_items(data: Dataset) -> None:
     if len(data) == 0:
         return  # the sampler names an empty dataset
     item = data[0]
+    if isinstance(item, Mapping):
+        raise ConfigError(f"Built.train_data's items must be (inputs, targets) or (inputs, targets, sample_id); item 0 "
+                          f"is a {type(item).__name__}: return the model's inputs and the targets apart, e.g. "
+                          f"(features, labels, index), where each may itself be a dict of tensors")
     if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
         kind = type(item).__name__ if not isinstance(item, (tuple, list)) else f"{type(item).__name__} of {len(item)}"
         raise ConfigError(f"Built.train_data's items must be (inputs, targets) or (inputs, targets, sample_id); "
@@ -137,7 +142,7 @@ def make_loader(data: Dataset, sampler: ElasticSampler, loader: LoaderConfig, de
     """The training batches: the sampler's micro-batches of ``data``. The workers' seeds come from ``seed``,
     not the global RNG, so building the loader leaves the model's RNG streams untouched (bitwise resume)."""
     return iter(DataLoader(
-        data, batch_sampler=sampler, num_workers=loader.num_workers,
+        data, batch_sampler=sampler, collate_fn=collate, num_workers=loader.num_workers,
         prefetch_factor=loader.prefetch_factor if loader.num_workers else None, pin_memory=device.type == "cuda",
         generator=torch.Generator().manual_seed(seed),
     ))

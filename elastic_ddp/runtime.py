@@ -50,7 +50,7 @@ from elastic_ddp.logs import main_only
 from elastic_ddp.prefork import agent_identity
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
-from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, write_error_file
+from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, tell_the_agent, write_error_file
 from elastic_ddp.resilience.group import GroupWatch
 from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
@@ -87,7 +87,7 @@ ABANDON_GROUP_S = 1.0
 def exit_in_one_line(reason: ExitReason, detail: str, events: EventLog) -> int:
     """Report an error the runtime knows: one log line, torchrun's error file, the exit line and event; the status."""
     logger.error("%s", detail)
-    write_error_file(reason.value, detail)
+    tell_the_agent(reason, detail)
     if reason is ExitReason.PEER_LOST:
         return log_exit(reason, detail, events)
     return log_exit(reason, events=events, error=detail)
@@ -111,7 +111,7 @@ def entrypoint(main: Callable[P, int | None]) -> Callable[P, int]:
         except ElasticDDPError as exc:
             reason = failure_reason(exc) or ExitReason.ERROR
             logger.error("%s", exc)
-            write_error_file(reason.value, str(exc))
+            tell_the_agent(reason, str(exc))
             return reason.status
 
     recorded = cast(Callable[P, int], record(run_main))  # record returns what run_main returns

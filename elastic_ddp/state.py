@@ -34,7 +34,7 @@ import torch
 
 from elastic_ddp.config import fingerprint_mismatches
 from elastic_ddp.data import DataPosition, ElasticSampler
-from elastic_ddp.errors import ConfigError, IncompatibleCheckpointError
+from elastic_ddp.errors import ConfigError, IncompatibleCheckpointError, ResumeRefusedError
 
 _RNG_STEP_STRIDE = 10_007
 _RNG_RANK_STRIDE = 1_000_003
@@ -176,7 +176,7 @@ class TrainState:
             missing = [name for name in wanted if not isinstance(replicated.get(name), dict)]
             problems += [f"the checkpoint holds no state for {name!r}" for name in missing]
         if problems:
-            raise IncompatibleCheckpointError(
+            raise ResumeRefusedError(
                 f"checkpoint at step {meta.get('step')} cannot be resumed by this run:\n  " + "\n  ".join(problems)
             )
 
@@ -185,7 +185,7 @@ class TrainState:
         meta, replicated, rank_local = state["meta"], state["replicated"], state.get("rank_local")
         self.check_compatible(meta, replicated)
         if self.sharded_optimizer and rank_local is None:
-            raise IncompatibleCheckpointError(
+            raise ResumeRefusedError(
                 f"checkpoint at step {meta.get('step')} holds optimizer state sharded over another world size; "
                 "sharded (ZeroRedundancyOptimizer) state resumes only at the world size that saved it"
             )

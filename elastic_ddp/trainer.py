@@ -18,6 +18,7 @@ optimizer, schedule, loss, evaluation and extra state are the script's (:class:`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -29,14 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import default_collate
 
 from elastic_ddp._torch_compat import foreach_div_
+from elastic_ddp.batch import collate, map_tensors, tensors, to_device
 from elastic_ddp.build import Built, WeightedLoss
 from elastic_ddp.collection import StepCollection
-from elastic_ddp.config import TrainConfig
+from elastic_ddp.config import DdpConfig, TrainConfig
 from elastic_ddp.data import StepPlan, check_delivered
 from elastic_ddp.distributed import DistContext
+from elastic_ddp.errors import ConfigError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
 from elastic_ddp.metrics import Progress, StepTimer
@@ -97,6 +99,7 @@ class Trainer:
         self.report = StepReport(built, config.log, rank=context.rank, world_size=context.world_size, events=self.events)
         self._empty_batch: Any = None
         self._loss_checked = False
+        self._graph_checked = False
 
     def make_runtime(self) -> Runtime:
         """The runtime this trainer steps on, built from the config's sections (enter it with ``with``)."""
@@ -127,7 +130,8 @@ class Trainer:
                 self.log0.info("the run is already complete at step %d: nothing to train (raise --max-steps or "
                                "--max-epochs to go on)", step)
             check_lr_horizon(self.state, self.config, self.events if self.context.is_main else None)
-            self.ddp = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.ddp = wrap_model(self.model, self.config, self.device)
+            self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
             return self._run()
         finally:
             self.report.close()
@@ -233,10 +237,10 @@ class Trainer:
                 batch = self._empty()
             data_wait += time.perf_counter() - waited
             self.watchdog.enter(Phase.STEP)
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in batch[:2])
+            inputs, targets = to_device(batch[0], self.device), to_device(batch[1], self.device)
             with nullcontext() if index == count - 1 else self.ddp.no_sync():
                 with self._autocast():
-                    outputs = self.ddp(inputs)
+                    outputs = self.forward(inputs)
                     losses = self.loss_fn(outputs, targets)
                 if not self._loss_checked and micro_batches:
                     check_losses(losses, len(micro_batches[index]))
@@ -253,6 +257,9 @@ class Trainer:
                     loss = total * weight
                     numel = losses.numel()
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
+                if not self._graph_checked:
+                    check_all_parameters_used(self.model, self.config.ddp, self.device)
+                    self._graph_checked = True
             loss_sum[0] += total.detach()
             loss_sum[1] += numel
         if units is not None:  # the same on every rank: the loss function's kind does not depend on the share
@@ -290,8 +297,52 @@ class Trainer:
     def _empty(self) -> Any:
         """A zero-sample batch shaped like the dataset's samples (for a rank whose share of a step is empty)."""
         if self._empty_batch is None:
-            self._empty_batch = [t[:0] for t in default_collate([self.train_data[0]])]
+            self._empty_batch = map_tensors(lambda tensor: tensor[:0], collate([self.train_data[0]]))
         return self._empty_batch
+
+def wrap_model(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> DistributedDataParallel:
+    """``model`` in DistributedDataParallel with the ``--ddp-*`` options."""
+    ddp = config.ddp
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=ddp.find_unused_parameters, static_graph=ddp.static_graph,
+        gradient_as_bucket_view=ddp.gradient_as_bucket_view, bucket_cap_mb=ddp.bucket_cap_mb,
+        **({} if ddp.broadcast_buffers else _no_buffer_sync_at_forward()),
+    )
+
+
+def _no_buffer_sync_at_forward() -> dict[str, Any]:
+    """DDP's keyword for buffers copied once at wrapping, not at each forward: ``forward_sync_buffers`` where
+    this torch has it (``broadcast_buffers`` is deprecated there and warns), else ``broadcast_buffers``."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def compile_model(ddp: DistributedDataParallel, config: TrainConfig) -> Callable[..., Any]:
+    """The DDP-wrapped model compiled with ``--compile-mode``. Compiling the wrapper, not the module, lets
+    torch split the graph at DDP's buckets so gradients are still all-reduced during the backward pass, and
+    leaves the module, and so the checkpoint's keys, as they are."""
+    return torch.compile(ddp, mode=None if config.compile_mode == "default" else config.compile_mode)
+
+
+def check_all_parameters_used(model: torch.nn.Module, ddp: DdpConfig, device: torch.device) -> None:
+    """After the run's first backward pass: refuse a model whose loss left parameters without a gradient on
+    any rank, unless DDP was told to expect that (``--ddp-find-unused-parameters`` or ``--ddp-static-graph``),
+    before DDP fails the next step with a message about arguments the script never passed. One all-reduce of
+    a flag per parameter, so every rank refuses alike (a parameter unused on one rank stalls them all)."""
+    if ddp.find_unused_parameters or ddp.static_graph:
+        return
+    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    unused_here = torch.tensor([parameter.grad is None for _, parameter in trainable], dtype=torch.uint8, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(unused_here, op=dist.ReduceOp.MAX)
+    unused = [name for (name, _), flag in zip(trainable, unused_here.tolist(), strict=True) if flag]
+    if unused:
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        raise ConfigError(f"the loss did not use {len(unused)} of the model's trainable parameters ({shown}): pass "
+                          "--ddp-find-unused-parameters, or freeze them (requires_grad=False) if they are never trained")
+
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
@@ -299,5 +350,5 @@ def _fmt(value: float | None) -> str:
 
 def _zero_like_outputs(outputs: Any) -> torch.Tensor:
     """A zero loss that still reaches every parameter the forward used (for a rank with no share of a step)."""
-    tensors = [t for t in (outputs if isinstance(outputs, (tuple, list)) else [outputs]) if isinstance(t, torch.Tensor)]
-    return sum((t.float().sum() * 0.0 for t in tensors), torch.zeros((), device=tensors[0].device if tensors else None))
+    found = list(tensors(outputs))
+    return sum((t.float().sum() * 0.0 for t in found), torch.zeros((), device=found[0].device if found else None))

@@ -37,6 +37,7 @@ import signal
 import time
 
 from elastic_ddp.events import Event, EventLog
+from elastic_ddp.job_end import JobEnd, tell_agent
 from elastic_ddp.prefork import agent_pid
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,16 @@ def log_exit(reason: ExitReason, detail: str = "", events: EventLog | None = Non
     if events is not None:
         events.emit(Event.EXIT, reason=label, status=code, detail=detail, **({"error": error} if error else {}))
     return code
+
+
+def tell_the_agent(reason: ExitReason, message: str) -> None:
+    """What this worker's agent learns of an error that ends it: the error file (:func:`write_error_file`), and for
+    a configuration mistake a job-end record (:mod:`elastic_ddp.job_end`), so the job ends instead of restarting."""
+    write_error_file(reason.value, message)
+    if reason is ExitReason.CONFIG:
+        rank = os.environ.get("RANK", "0")
+        one_line = " ".join(line.strip() for line in message.strip().splitlines())
+        tell_agent(JobEnd(reason.value, reason.status, one_line, int(rank) if rank.isdigit() else 0))
 
 
 def write_error_file(reason: str, message: str) -> None:

@@ -37,6 +37,10 @@ pytestmark = pytest.mark.integration
         ("--resilience-spot-notice-url", "ftp://x"),
         ("--resilience-agreement-interval-s", "-1"),
         ("--checkpoint-storage-options", "[1, 2]"),
+        ("--ddp-bucket-cap-mb", "0"),
+        ("--ddp-bucket-cap-mb", "nan"),
+        ("--compile-mode", "max-autotune"),
+        ("--compile-mode", "fastest"),
     ],
 )
 def test_invalid_value_exits_with_status_2_naming_the_flag(flag: str, value: str, capsys) -> None:
@@ -77,9 +81,10 @@ def _tree_digest(root: Path) -> dict[str, str]:
     ],
 )
 def test_resume_with_incompatible_config_is_refused_naming_the_field(saved: Path, change: list[str], named: str) -> None:
+    """A configuration mistake: status 2 (``config``), which ends a job instead of restarting it."""
     before = _tree_digest(saved)
     result = train(["--max-steps", "8", "--checkpoint-dir", str(saved), *change])
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "cannot be resumed" in result.output and named in result.output
     assert "Traceback" not in result.output
     assert _tree_digest(saved) == before

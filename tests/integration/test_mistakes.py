@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chaos.etcd import free_ports
-from tests.jobs import BASE_ARGS, REPO, child_env, events, metrics, run
+from tests.jobs import BASE_ARGS, REPO, TORCHRUN, child_env, events, metrics, run
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +43,28 @@ def test_a_trainer_path_mistake_exits_2_in_one_line_before_training(mistake: str
                  env={"MISTAKE": mistake}, timeout=120)
     assert result.returncode == 2, result.output[-3000:]
     _one_line_exit(result.output, logs, 2, *named)
+
+
+def test_a_parameter_the_loss_does_not_use_ends_the_run_as_config_naming_it_and_the_flag(tmp_path: Path) -> None:
+    """Without the flag DDP would fail the second step with advice about a constructor the user never calls."""
+    logs = tmp_path / "logs"
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, *BASE_ARGS, "--max-steps", "4",
+               "--global-batch-size", "8", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1",
+               "--log-dir", str(logs)]
+    result = run(command, env={"MISTAKE": "unused-parameter"}, timeout=180)
+    assert result.returncode != 0
+    # torchrun's own agent ends with its summary and traceback (ChildFailedError); the workers' part is one line
+    workers = "\n".join(line for line in result.output.splitlines() if "ChildFailedError" not in line
+                        and not line.startswith(("  ", "Traceback", "torch.distributed")) and "=====" not in line)
+    _one_line_exit(workers, logs, 2, "probe.weight", "probe.bias", "--ddp-find-unused-parameters")
+    assert not [line for line in result.output.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert {e["rank"] for e in events(logs, "exit")} == {0, 1}
+
+    flagged = tmp_path / "flagged-logs"
+    result = run([*command[:-2], "--log-dir", str(flagged), "--checkpoint-dir", str(tmp_path / "flagged"),
+                  "--ddp-find-unused-parameters"], env={"MISTAKE": "unused-parameter"}, timeout=180)
+    assert result.returncode == 0, result.output[-3000:]
+    assert {(e["rank"], e["reason"]) for e in events(flagged, "exit")} == {(0, "done"), (1, "done")}
 
 
 def test_the_documented_step_to_multiplier_scheduler_is_accepted(tmp_path: Path) -> None:
