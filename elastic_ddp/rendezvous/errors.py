@@ -47,3 +47,15 @@ class EtcdStateError(EtcdRendezvousError, RendezvousStateError):
 
 class EtcdStoreTimeoutError(EtcdRendezvousError, DistStoreError):
     """A store ``get``/``wait`` did not see its keys before the store timeout."""
+
+
+class JobEnded(SystemExit):
+    """A worker ended the job as a configuration mistake (:mod:`elastic_ddp.job_end`): this agent ends with that
+    worker's status instead of restarting its workers. A ``SystemExit``, not an error of the agent: torch's agent
+    and ``launch_agent`` record and re-raise an ``Exception`` as the agent's own failure (traceback and all),
+    while a ``SystemExit`` passes through their ``finally`` blocks (workers stopped, rendezvous shut down) and
+    ends torchrun with ``code``."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(status)
+        self.message = message

@@ -47,8 +47,10 @@ import atexit
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -72,12 +74,12 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
-from elastic_ddp import prefork
+from elastic_ddp import job_end, prefork
 from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous.client import EtcdClient, GrpcEtcdClient
-from elastic_ddp.rendezvous.errors import EtcdAuthError, EtcdConnectionError, EtcdRendezvousError
+from elastic_ddp.rendezvous.errors import EtcdAuthError, EtcdConnectionError, EtcdRendezvousError, JobEnded
 from elastic_ddp.rendezvous.lease import LeaseKeeper
-from elastic_ddp.rendezvous.rounds import Formed, Member, Node, RoundRules, Rounds, RoundWatch, node_key
+from elastic_ddp.rendezvous.rounds import PLAIN_CLOSE, Formed, Member, Node, RoundRules, Rounds, RoundWatch, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
 
@@ -307,6 +309,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Until then (monotonic), the gone peers' agents are taken to run, as they answered last time."""
         self._report: tuple[int, _Background[reach.Report]] | None = None
         """This node's reachability report for a round, being made since the round formed."""
+        self._job_end: job_end.JobEnd | None = None
+        """Why a worker of this node ended the job (a configuration mistake): what closing the rendezvous says."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     @classmethod
@@ -391,7 +395,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         if warmed is not None:
             logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",
                         self._settings.run_id, warmed)
-        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        self._end_if_a_worker_said_so()
+        try:
+            return self._form(time.monotonic() + self._settings.timeout.join.total_seconds())
+        except RendezvousClosedError:
+            self._end_if_closed_with_a_reason()
+            raise
+
+    def _form(self, deadline: float) -> RendezvousInfo:
+        """The round this node trains in, once every pair of its nodes reaches each other."""
         while True:
             info = self._join_round()
             listener = self._probe_listener() if info.world_size > 1 else None
@@ -408,6 +420,45 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     "etcd-v3: round %d of rendezvous %s leaves out agent rank(s) %s, which some node cannot reach; "
                     "re-forming without them", self._state_holder.state.round, self._settings.run_id, sorted(left_out),
                 )  # fmt: skip
+
+    def _end_if_a_worker_said_so(self) -> None:
+        """Before a restart's rendezvous: when a worker of this node ended as a configuration mistake (its
+        job-end record, :mod:`elastic_ddp.job_end`), close the rendezvous with that record as the reason, so
+        every agent ends instead of restarting, and end this one.
+
+        Raises:
+            JobEnded: with the worker's status.
+        """
+        directory = os.environ.get(job_end.DIR_ENV)
+        end = job_end.read(directory, self._settings.run_id) if directory else None
+        if end is None:
+            return
+        self._job_end = end
+        with self._heartbeat_lock:
+            self._close()
+        self._end_job(end)
+
+    def _end_if_closed_with_a_reason(self) -> None:
+        """The rendezvous is closed: when a worker on some node ended the job, end this agent as that node's did."""
+        try:
+            reason = self._rounds.closed_reason()
+        except EtcdConnectionError:
+            return
+        if reason is None or reason == PLAIN_CLOSE:
+            return
+        try:
+            end = job_end.JobEnd.decode(reason)
+        except job_end.JobEndRecordError as exc:
+            logger.warning("etcd-v3: rendezvous %s was closed with %s", self._settings.run_id, exc)
+            return
+        self._end_job(end)
+
+    def _end_job(self, end: job_end.JobEnd) -> None:
+        message = f"rank {end.rank} ended the job ({end.reason}, exit status {end.status}): {end.detail}"
+        logger.error("etcd-v3: %s; not restarting the workers", message)
+        sys.stderr.write(f"torchrun: error: {message}\n")
+        sys.stderr.flush()
+        raise JobEnded(message, end.status)
 
     def _join_round(self) -> RendezvousInfo:
         """Join the next round (:meth:`.Rounds.join`), watch it, start heartbeats, and publish or read rank 0's
@@ -596,7 +647,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._close()
 
     def _close(self) -> None:
-        self._rounds.close_job()
+        self._rounds.close_job(PLAIN_CLOSE if self._job_end is None else self._job_end.encode())
         self._state_holder.close()
         message = "The node '%s' has closed the rendezvous '%s'." % (self._this_node, self._settings.run_id)
         self._record("_close", message, NodeState.SUCCEEDED)
@@ -810,9 +861,25 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """
     report_own_errors_in_one_line()
     settings = _settings(params)
+    _hear_from_workers()
     client = GrpcEtcdClient(settings.client_options())
     _first_contact(client, settings)
     return EtcdRendezvousHandler.build(settings, client, params.min_nodes, params.max_nodes, params.local_addr)
+
+
+def _hear_from_workers() -> None:
+    """Give this agent's workers a place to say the job must end (:mod:`elastic_ddp.job_end`): a directory of this
+    process's own, named in ``ELASTIC_DDP_JOB_END_DIR`` (the one variable the handler sets: torchrun's workers
+    and the fork server inherit the agent's environment), removed at exit."""
+    if os.environ.get(job_end.DIR_ENV, "").startswith(_own_job_end_prefix()):
+        return  # this process's own, set by an earlier handler
+    directory = tempfile.mkdtemp(prefix=f"elastic-ddp-job-end-{os.getpid()}-")
+    atexit.register(shutil.rmtree, directory, True)
+    os.environ[job_end.DIR_ENV] = directory
+
+
+def _own_job_end_prefix() -> str:
+    return os.path.join(tempfile.gettempdir(), f"elastic-ddp-job-end-{os.getpid()}-")
 
 
 def _first_contact(client: EtcdClient, settings: EtcdRendezvousSettings) -> None:

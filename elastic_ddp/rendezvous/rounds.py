@@ -72,6 +72,10 @@ _local_ids = itertools.count()
 _local_ids_lock = threading.Lock()
 
 
+PLAIN_CLOSE = b"1"
+"""The closed key's value when the job is simply over (every node's agent then ends as torchrun does)."""
+
+
 @dataclass(frozen=True, order=True)
 class Node:
     """One agent of the job: its host, process and handler within the process. Rank order is this order."""
@@ -334,11 +338,22 @@ class Rounds:
         self._liveness.refresh()
         self._records.refresh()
 
-    def close_job(self) -> None:
-        self._records.write(lambda lease: self._client.put(self._closed_key, b"1", lease))
+    def close_job(self, reason: bytes = PLAIN_CLOSE) -> None:
+        """Close the rendezvous for every node. ``reason``: what the closed key holds, PLAIN_CLOSE for a job
+        that is over, or a job-end record (:mod:`elastic_ddp.job_end`) for one a worker ended; a plain close
+        never replaces a reason already there, so every node reads the first node's word."""
+        if reason == PLAIN_CLOSE:
+            self._records.write(lambda lease: self._client.put_if(self._closed_key, reason, Absent(), lease))
+        else:
+            self._records.write(lambda lease: self._client.put(self._closed_key, reason, lease))
 
     def is_closed(self, timeout: float | None = None) -> bool:
         return self._client.get(self._closed_key, timeout=timeout) is not None
+
+    def closed_reason(self, timeout: float | None = None) -> bytes | None:
+        """What the closed key holds (see :meth:`close_job`); None while the rendezvous is open."""
+        found = self._client.get(self._closed_key, timeout=timeout)
+        return None if found is None else found.value
 
     def job_nodes(self, exclude: str) -> dict[str, str]:
         """The probe address of every node of the job but ``exclude`` (training in the newest round,

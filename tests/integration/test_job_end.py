@@ -4,6 +4,8 @@
   nodes in torchrun's exit barrier: they exit 0 within seconds, not after the barrier's 300 s.
 - A job whose workers all finished exits 0 even when etcd is gone by then.
 - An etcd outage longer than ``read_timeout`` while the job trains does not stop it.
+- A configuration mistake ends the job after its first attempt on every node, restarts left or not,
+  with the workers' status (2) and the mistake as each agent's last line.
 
 Every job is the example trainer on simulated nodes (``chaos.cluster``) with a real etcd. The
 agents' monitor interval is long (2 s) so that a fault aimed between "the workers exited" and "the
@@ -23,7 +25,7 @@ import pytest
 from chaos.cluster import Node, process_alive, wait_for
 from tests.fixtures.etcd_jobs import ETCD_CONF, committed_step, job_args, last_step, make_job, steps_after
 from tests.fixtures.etcd_proc import EtcdServer
-from tests.jobs import inspect
+from tests.jobs import events, inspect
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +33,7 @@ STEPS = 30
 MONITOR_S = 2.0
 LINGER_S = 2.5 * MONITOR_S
 LINGERING_TRAIN = Path(__file__).resolve().parents[1] / "fixtures" / "lingering_train.py"
+MISTAKEN_TRAIN = Path(__file__).resolve().parents[1] / "fixtures" / "mistaken_train.py"
 JOB_TIMEOUT_S = 180
 
 
@@ -65,6 +68,24 @@ def test_a_node_preempted_as_its_workers_finish_does_not_hold_the_other_node(
         second.wait(timeout=30)
     assert code == 0, first.output()[-4000:]
     assert took < 10, "node0 exited %.1f s after node1 was preempted:\n%s" % (took, first.output()[-3000:])
+
+
+def test_a_config_mistake_ends_the_job_after_one_attempt_on_every_node(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """torchrun's agent restarts a failed worker group whatever its status: without the job-end record each
+    node would fail max_restarts + 1 times with the same mistake."""
+    job = make_job(tmp_path, job_args(tmp_path, STEPS), backend="etcd-v3", endpoint=etcd_server.endpoint,
+                   nnodes="2", nproc=1, max_restarts=3, env={"MISTAKE": "unused-parameter"})
+    job.spec.script = str(MISTAKEN_TRAIN)
+    with job:
+        nodes = job.start(2).nodes
+        codes = [exit_code_within(node, 120) for node in nodes]
+    outputs = "\n\n".join(node.output()[-3000:] for node in nodes)
+    assert codes == [2, 2], outputs
+    exits = [(e["rank"], e["reason"], e["status"]) for e in events(tmp_path / "logs", "exit")]
+    assert sorted(exits) == [(0, "config", 2), (1, "config", 2)], exits  # one attempt: one exit per rank
+    for node in nodes:
+        last = node.output().strip().splitlines()[-1]
+        assert last.startswith("torchrun: error: rank ") and "--ddp-find-unused-parameters" in last, node.output()[-3000:]
 
 
 @pytest.mark.slow  # CI time: the store's unit tests give up the exit barrier when etcd does not answer

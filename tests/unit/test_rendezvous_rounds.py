@@ -11,13 +11,20 @@ import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
-from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
 
-from elastic_ddp.rendezvous.errors import EtcdLeaseNotFoundError
+from elastic_ddp import job_end
+from elastic_ddp.rendezvous.errors import EtcdLeaseNotFoundError, JobEnded
 from elastic_ddp.rendezvous.etcd import EtcdRendezvousHandler, create_rdzv_handler
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.rounds import Member, Node, node_key
@@ -381,7 +388,8 @@ def test_every_attempt_gets_a_fresh_worker_store_and_the_environment_is_left_alo
         no_first_contact: pytest.MonkeyPatch, choice: str | None) -> None:
     """Workers never share an agent's long-lived store (exported to them as TORCHELASTIC_USE_AGENT_STORE), and
     creating the handler changes nothing that other handlers in the process read (torch's own read
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE) but the directory where its workers may say the job ends."""
+    no_first_contact.delenv(job_end.DIR_ENV, raising=False)
     if choice is None:
         no_first_contact.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     else:
@@ -389,7 +397,9 @@ def test_every_attempt_gets_a_fresh_worker_store_and_the_environment_is_left_alo
     before = dict(os.environ)
     handler = create_rdzv_handler(RendezvousParameters("etcd-v3", "127.0.0.1:1", "job", 1, 1, "127.0.0.1"))
     assert handler.use_agent_store is False
+    directory = os.environ.pop(job_end.DIR_ENV)
     assert dict(os.environ) == before
+    assert os.path.isdir(directory) and f"-{os.getpid()}-" in directory
 
 
 def test_a_rendezvous_does_not_inspect_the_stack_for_events_nobody_records(
@@ -420,3 +430,32 @@ def test_recorded_events_name_the_handler_and_its_operation(client: FakeEtcdClie
     handler.shutdown()
     names = {json.loads(record)["name"].split(":", 1)[1] for record in records}
     assert {"EtcdRendezvousHandler.next_rendezvous", "EtcdRendezvousHandler._close"} <= names
+
+
+def test_a_worker_s_job_end_record_closes_the_rendezvous_with_its_reason_for_every_node(
+        client: FakeEtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent whose worker ended as config ends with its status; a peer finds the rendezvous closed with the
+    same reason and ends alike; later plain closes (the agents' shutdowns) keep the reason."""
+    first, second = (node(client, (2, 2)) for _ in range(2))
+    together([first, second])
+    monkeypatch.setenv(job_end.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(job_end.RUN_ID_ENV, "job")
+    assert job_end.tell_agent(job_end.JobEnd("config", 2, "--seed was 1, is 7 now", 0))
+    with pytest.raises(JobEnded) as ended:
+        first.next_rendezvous()
+    assert ended.value.code == 2 and "--seed was 1, is 7 now" in ended.value.message
+    first.shutdown()
+    monkeypatch.setenv(job_end.DIR_ENV, str(tmp_path / "another-agent"))
+    with pytest.raises(JobEnded) as also:
+        second.next_rendezvous()
+    assert also.value.code == 2 and also.value.message == ended.value.message
+    second.shutdown()
+    assert job_end.JobEnd.decode(second._rounds.closed_reason() or b"").detail == "--seed was 1, is 7 now"
+
+
+def test_a_plain_close_ends_the_next_rendezvous_as_torch_expects(client: FakeEtcdClient) -> None:
+    first, second = (node(client, (2, 2)) for _ in range(2))
+    together([first, second])
+    first.set_closed()
+    with pytest.raises(RendezvousClosedError):
+        second.next_rendezvous()
