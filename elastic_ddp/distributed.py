@@ -151,7 +151,17 @@ def _open_store(env: LaunchEnv, timeout: timedelta) -> dist.Store:
             f"rank {env.rank}: cannot reach the store at {env.master_addr}:{env.master_port} "
             f"within --dist-init-timeout-s={timeout.total_seconds():g}: {_first_line(exc)}"
         ) from exc
+    if shares_agent_store() and one_agent(env):
+        return dist.PrefixStore(f"elastic_ddp/attempt-{env.restart_count}/", store)
     return store
+
+
+def one_agent(env: LaunchEnv) -> bool:
+    """Whether every worker of this attempt is this agent's (``torchrun --standalone``, one node). In torchrun's
+    long-lived agent store, each attempt's keys are then kept apart under the agent's restart count, which all
+    its workers share and which grows with every restart of a single agent (elastic_ddp/rendezvous/RESTARTS.md;
+    across agents the counts differ, so a job of several nodes needs a fresh store from its launcher)."""
+    return env.world_size == env.local_world_size
 
 
 def wait_until_listening(host: str, port: int, deadline: float, interval: float = STORE_PROBE_INTERVAL_S) -> bool:
@@ -198,12 +208,12 @@ def init_distributed(config: DistConfig, env: LaunchEnv | None = None) -> DistCo
         "process group formed: rank %d/%d backend=%s device=%s store=%s:%d",
         env.rank, env.world_size, backend, device, env.master_addr, env.master_port,
     )
-    if env.rank == 0 and shares_agent_store():
+    if env.rank == 0 and shares_agent_store() and not one_agent(env):
         logger.warning(
-            "workers share torchrun's long-lived agent store (MASTER_PORT=%d, restart %d): keys left by a failed "
-            "attempt can break the next restart. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "the workers of %d nodes share torchrun's long-lived agent store (MASTER_PORT=%d, restart %d): keys left "
+            "by a failed attempt can break the next restart. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
             "(elastic_ddp's launch scripts do; the etcd-v3 rendezvous never shares it) to give every attempt a fresh store",
-            env.master_port, env.restart_count,
+            env.world_size // max(env.local_world_size, 1), env.master_port, env.restart_count,
         )
     return DistContext(env=env, device=device, backend=backend)
 

@@ -60,20 +60,25 @@ class JobResult:
     output: str
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+AS_A_USER_RUNS_IT = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
+"""``unset=`` for a command run as a user types it, without the variable the project's launch scripts set."""
+
+
+def child_env(extra: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as the project's launch scripts set it (RESTARTS.md)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", *unset):
         env.pop(name, None)
     env.update(extra or {})
     return env
 
 
-def run(command: list[str], timeout: float = 240, env: dict[str, str] | None = None) -> JobResult:
+def run(command: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+        unset: tuple[str, ...] = ()) -> JobResult:
     process = subprocess.Popen(
-        command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        command, cwd=REPO, env=child_env(env, unset), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
     )
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.jobs import REPO, TORCHRUN, events, run
+from tests.jobs import AS_A_USER_RUNS_IT, REPO, TORCHRUN, events, run
 
 pytestmark = pytest.mark.integration
 
@@ -72,8 +72,10 @@ def test_every_relative_link_leads_to_a_file_and_heading_that_exist(doc: Path) -
 def launch(path: str, max_steps: int, checkpoint_dir: Path, log_dir: Path) -> list[dict[str, Any]]:
     result = run(TORCHRUN + ["--standalone", "--nproc-per-node=2", str(REPO / path), "--max-steps", str(max_steps),
                              "--checkpoint-dir", str(checkpoint_dir), "--checkpoint-every", "4", "--log-dir", str(log_dir)],
-                 timeout=240)
+                 timeout=240, unset=AS_A_USER_RUNS_IT)
     assert result.returncode == 0, result.output[-4000:]
+    warnings = [line for line in result.output.splitlines() if "WARNING" in line or "Warning:" in line]
+    assert not warnings, warnings  # a first run asks the user to change nothing
     return events(log_dir)
 
 

@@ -25,7 +25,7 @@ from tests.fixtures.etcd_jobs import (
     wait_for_restart,
 )
 from tests.fixtures.etcd_proc import EtcdServer
-from tests.jobs import done_event, events, train_ok
+from tests.jobs import AS_A_USER_RUNS_IT, REPO, TORCHRUN, done_event, events, run, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -133,3 +133,15 @@ def test_thirty_worker_kills_in_a_row_all_restart_and_finish(etcd_server: EtcdSe
     assert [r.attempts for r in restarts] == [1] * 30, restarts
     check_resumed_further_each_time(tmp_path, kills=30)
     check_fresh_store_per_attempt(tmp_path, attempts=31)
+
+
+def test_a_standalone_restart_in_torchrun_s_own_store_forms_its_group_quietly() -> None:
+    """``torchrun --standalone`` as a user types it shares the agent's long-lived store across attempts; each
+    attempt's keys are kept apart, so a restart whose rank 1 starts late does not meet the failed attempt's
+    addresses (it did: rank 0 dialled the dead rank 1, or both waited for gloo's connect timeout), and nothing
+    asks the user to set a variable."""
+    script = str(REPO / "tests" / "fixtures" / "slow_first_rank_restart.py")
+    result = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1", script],
+                 timeout=120, unset=AS_A_USER_RUNS_IT)
+    assert result.returncode == 0, result.output[-4000:]
+    assert not [line for line in result.output.splitlines() if "share torchrun's long-lived agent store" in line]
