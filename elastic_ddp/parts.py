@@ -168,7 +168,19 @@ class Parts:
     state: TrainState
 
 
+def check_model(model: Any) -> None:
+    """Built.model must be the module itself: a module returned by ``torch.compile`` names its parameters
+    ``_orig_mod.*``, so checkpoints would depend on whether the model was compiled; ``--compile`` compiles it
+    for the run and keeps the module's own names."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"Built.model must be a torch.nn.Module; build returned a {type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        raise ConfigError("Built.model is compiled (torch.compile): return the module itself and pass --compile "
+                          "(and --compile-mode), so that checkpoints keep the module's parameter names")
+
+
 def make_parts(config: TrainConfig, built: Built, device: torch.device, rank: int, world_size: int) -> Parts:
+    check_model(built.model)
     check_items(built.train_data)
     model = built.model.to(device)
     optimizer = make_optimizer(built, model, config.optim)

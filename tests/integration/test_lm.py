@@ -48,8 +48,8 @@ def lm(args: list[str], nproc: int = 0, timeout: float = 120) -> JobResult:
     return run(launcher + [LM_TRAIN, *TINY, *args], timeout=timeout)
 
 
-def lm_ok(args: list[str], nproc: int = 0) -> JobResult:
-    result = lm(args, nproc)
+def lm_ok(args: list[str], nproc: int = 0, timeout: float = 120) -> JobResult:
+    result = lm(args, nproc, timeout)
     assert result.returncode == 0, result.output[-4000:]
     return result
 
@@ -135,3 +135,16 @@ def test_a_head_count_that_does_not_divide_the_width_exits_2_naming_the_flag() -
     result = lm(["--max-steps", "1", "--model-n-head", "3"])
     assert result.returncode == 2, result.output[-3000:]
     assert "--model-n-head: 3 does not divide --model-d-model 32" in result.output, result.output
+
+
+def test_a_compiled_run_and_an_uncompiled_one_resume_each_other(tmp_path: Path) -> None:
+    """--compile compiles the DDP-wrapped model for the run; the checkpoint keeps the module's own names."""
+    ckpt, compiled, plain = tmp_path / "ckpt", tmp_path / "compiled-logs", tmp_path / "plain-logs"
+    lm_ok(steps(ckpt, 10), nproc=2)
+    names = set(load_model_state(str(ckpt)))
+    lm_ok(steps(ckpt, 20, "--compile", "--log-dir", str(compiled)), nproc=2, timeout=400)
+    assert resumed_steps(compiled) == {0: 10, 1: 10}
+    assert set(load_model_state(str(ckpt))) == names and not any("_orig_mod" in name for name in names)
+    lm_ok(steps(ckpt, 30, "--log-dir", str(plain)), nproc=2)
+    assert resumed_steps(plain) == {0: 20, 1: 20}
+    assert inspect(str(ckpt))["step"] == 30

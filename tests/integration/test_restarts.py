@@ -145,3 +145,13 @@ def test_a_standalone_restart_in_torchrun_s_own_store_forms_its_group_quietly() 
                  timeout=120, unset=AS_A_USER_RUNS_IT)
     assert result.returncode == 0, result.output[-4000:]
     assert not [line for line in result.output.splitlines() if "share torchrun's long-lived agent store" in line]
+
+
+@pytest.mark.slow  # each attempt compiles (tens of seconds on 2 cores); test_lm.py's compiled resume runs in CI
+def test_a_compiled_run_restarts_from_the_survivor_s_rescue(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """--compile leaves the module, and so the live state the survivor keeps and the replicas, as without it."""
+    _, output = run_with_kills(etcd_server, tmp_path, kills=1, steps=300, seed=11, extra=("--compile",))
+    rescues = [event for event in events(tmp_path / "logs", "replica_saved") if event["reason"] == "rescue"]
+    assert rescues, output[-3000:]
+    (resumed,) = [event for event in events(tmp_path / "logs", "resumed") if event["rank"] == 0]
+    assert resumed["source"] == "replica", resumed

@@ -39,6 +39,10 @@ def make(parts: Built) -> None:
     ({"state": {"counter": NoLoad()}}, "state['counter'] (a NoLoad) has no load_state_dict()"),
     ({"train_data": TensorDataset(torch.randn(64, 4))}, "items must be (inputs, targets) or (inputs, targets, sample_id)"),
     ({"fingerprint": {"corpus": Path("/data")}}, "fingerprint['build.corpus'] = PosixPath('/data') is not JSON"),
+    ({"model": torch.compile(torch.nn.Linear(4, 2))}, "Built.model is compiled (torch.compile): return the module itself "
+                                                      "and pass --compile"),
+    ({"model": lambda x: x}, "Built.model must be a torch.nn.Module; build returned a function"),
+    ({"train_data": [{"x": torch.ones(4), "label": 0}] * 64}, "item 0 is a dict: return the model's inputs and the targets"),
 ])
 def test_a_part_of_the_wrong_kind_is_refused_naming_it(changes: dict, named: str) -> None:
     with pytest.raises(ConfigError) as refused:
