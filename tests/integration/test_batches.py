@@ -75,3 +75,12 @@ def test_dict_inputs_train_and_resume_bitwise_after_sigterm(script: Path, tmp_pa
     assert {e["rank"] for e in events(second_logs, "resumed")} == {0, 1}
     resumed = done_event(second_logs)
     assert (resumed["model_digest"], resumed["data_digest"]) == (reference["model_digest"], reference["data_digest"])
+
+
+def test_the_dict_inputs_example_learns_with_the_default_loss_and_evaluation(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result = run([*TORCHRUN, "--standalone", "--nproc-per-node=2", str(REPO / "examples" / "dict_inputs" / "train.py"),
+                  "--max-steps", "60", "--log-dir", str(logs)], timeout=240)
+    assert result.returncode == 0, result.output[-4000:]
+    done = done_event(logs)
+    assert done["step"] == 60 and done["accuracy"] > 0.5, done  # four topics: chance is 0.25

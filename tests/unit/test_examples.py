@@ -18,8 +18,9 @@ MLPConfig = import_example("config").MLPConfig
 make_datasets = import_example("dataset").make_datasets
 lm = import_script(REPO / "examples" / "lm" / "train.py")
 byo = import_script(REPO / "examples" / "byo_loop" / "train.py")
+texts = import_script(REPO / "examples" / "dict_inputs" / "train.py")
 
-RUNTIME_SECTIONS = {"loader", "optim", "checkpoint", "dist", "resilience", "log"}
+RUNTIME_SECTIONS = {"loader", "optim", "ddp", "checkpoint", "dist", "resilience", "log"}
 LM_SMALL = ["--data-budget-bytes", "20000", "--model-context", "16"]  # fast to build; each field means the same
 
 
@@ -33,7 +34,13 @@ def lm_training_data(config) -> torch.Tensor:
     return torch.stack([splits.train[i][0] for i in range(len(splits.train))])
 
 
-EXAMPLES = {"mlp": (MLPConfig, mlp_training_data, []), "lm": (lm.LMConfig, lm_training_data, LM_SMALL)}
+def text_training_data(config) -> torch.Tensor:
+    data = texts.build(config).train_data
+    return torch.cat([torch.stack([item["input_ids"] for item in data.items]).flatten(), data.labels])
+
+
+EXAMPLES = {"mlp": (MLPConfig, mlp_training_data, []), "lm": (lm.LMConfig, lm_training_data, LM_SMALL),
+            "dict": (texts.DictConfig, text_training_data, [])}
 
 
 def example_fields(config_class: type) -> list[tuple[str, dataclasses.Field]]:
