@@ -283,7 +283,7 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     times = rotated_times(contenders, max(args.repeats, len(contenders)))
     t = {name: statistics.median(values) for name, values in times.items()}
     row("plain f.write + fsync of the same bytes", t["plain"], nbytes, spread(times["plain"]))
-    row("elastic_ddp save (sha256 + manifest commit)", t["ours"], nbytes,
+    row("elastic_ddp save (sha256-tree-4m + commit)", t["ours"], nbytes,
         f"{t['plain'] / t['ours']:.2f}x plain speed; {spread(times['ours'])}")
     row("torch.save + fsync", t["torch"], nbytes, spread(times["torch"]))
     row("safetensors save_file + fsync", t["safetensors"], nbytes, spread(times["safetensors"]))

@@ -13,7 +13,7 @@ manifest race leaves only its own, unreferenced files behind, and a committed ch
 files are never overwritten.
 
 Collective protocol of a save: every rank writes its files and reports ``(name, size,
-sha256)`` or its error to rank 0; rank 0 writes the manifest only if every file is
+digest)`` or its error to rank 0; rank 0 writes the manifest only if every file is
 durable, then tells every rank the outcome, so a failed save raises on all ranks alike.
 Restore: rank 0 picks the newest checkpoint whose manifest parses and whose files match
 their checksums (falling back and saying why), every rank loads from that one. Newer
@@ -46,13 +46,14 @@ from elastic_ddp.checkpoint.manifest import (
     replicated_file_name,
     step_dir_name,
 )
-from elastic_ddp.checkpoint.storage import HASH_NAME, FileRecord, Storage, open_storage
+from elastic_ddp.checkpoint.storage import STORED_HASHES, FileRecord, Storage, open_storage
 from elastic_ddp.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointStorageError,
     ElasticDDPError,
+    IncompatibleCheckpointError,
     NoValidCheckpointError,
 )
 from elastic_ddp.events import Event, EventLog
@@ -405,9 +406,9 @@ class CheckpointManager:
             return CheckpointInfo(step, path, None, str(exc))
         if manifest.step != step:
             return CheckpointInfo(step, path, None, f"manifest says step {manifest.step}, directory says {step}")
-        if manifest.hash != HASH_NAME:
+        if manifest.hash not in STORED_HASHES:
             return CheckpointInfo(step, path, None, f"files checksummed with {manifest.hash}: a stored checkpoint needs "
-                                                    f"{HASH_NAME}")
+                                                    f"{' or '.join(STORED_HASHES)}")
         return CheckpointInfo(step, path, manifest)
 
     def verify(self, info: CheckpointInfo) -> dict[str, bytes | memoryview]:
@@ -423,7 +424,7 @@ class CheckpointManager:
         if record is None:
             raise CheckpointCorruptError(f"{path}: not listed in the manifest")
         try:
-            data, found = self.storage.read_hashed(path)
+            data, found = self.storage.read_hashed(path, hash_name=info.manifest.hash)
         except CheckpointError as exc:
             if self.storage.exists(path):
                 raise  # there but unreadable now (storage trouble): not evidence of damage
@@ -432,7 +433,7 @@ class CheckpointManager:
             raise CheckpointCorruptError(f"{path}: size {found.size} bytes, manifest says {record.size}")
         if found.digest != record.digest:
             raise CheckpointCorruptError(
-                f"{path}: sha256 {found.digest[:12]}… does not match the manifest's {record.digest[:12]}…")
+                f"{path}: {info.manifest.hash} {found.digest[:12]}… does not match the manifest's {record.digest[:12]}…")
         return data
 
     # -- restore -----------------------------------------------------------------
@@ -497,6 +498,8 @@ class CheckpointManager:
             rank_local = preloaded[name] if name in preloaded else deserialize(self.read_verified(info, name), info.path)
         try:
             state.load_state_dict({"meta": manifest.meta, "replicated": replicated, "rank_local": rank_local})
+        except IncompatibleCheckpointError:  # a refusal that names what differs (some are ValueErrors too)
+            raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
             # the files verified, so they are what was written: written by something else than this state
             raise CheckpointCorruptError(

@@ -1,7 +1,8 @@
 """The manifest: the last file of a checkpoint, whose existence is the commit.
 
 It holds what the commit protocol needs: the step, world size, run id, generation, writer
-token, torch version and every data file with size and SHA-256. Beside them, ``meta`` is the
+token, torch version and every data file with size and digest (``hash``: HASH_NAME, a tree of SHA-256
+digests; ``sha256`` in checkpoints written before it, still verified). Beside them, ``meta`` is the
 saved state's own small JSON object (for the trainer: data position, data digest, config
 fingerprint), opaque to the commit protocol. Everything read back is validated before it is
 trusted: a manifest is data from storage, not code.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from elastic_ddp.checkpoint.files import FileRecord
+from elastic_ddp.checkpoint.files import HASH_NAME, LEGACY_HASH_NAME, TREE_HASH_NAME, FileRecord
 from elastic_ddp.errors import CheckpointCorruptError
 
 FORMAT_VERSION = 2
@@ -31,9 +32,10 @@ REJECTED_MANIFEST_NAME = "manifest.rejected.json"
 STEP_DIR_PATTERN = re.compile(r"^step-(\d{8,})$")
 _FILE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-HASHES = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "xxh3-128": re.compile(r"^[0-9a-f]{32}$")}
+HASHES = {TREE_HASH_NAME: _HEX64, LEGACY_HASH_NAME: _HEX64, "xxh3-128": re.compile(r"^[0-9a-f]{32}$")}
 """The file digests a manifest may name in its ``hash`` field, each with the form of its hex digest:
-stored checkpoints use SHA-256; node-memory replicas XXH3-128 (elastic_ddp.checkpoint.replica)."""
+stored checkpoints use HASH_NAME (TREE_HASH_NAME; LEGACY_HASH_NAME before it, elastic_ddp.checkpoint.files),
+node-memory replicas XXH3-128 (elastic_ddp.checkpoint.replica)."""
 _TOKEN = re.compile(r"^[0-9a-f]{8,32}$")
 
 
@@ -72,8 +74,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     torch_version: str = field(default_factory=lambda: torch.__version__)
     created_at: float = field(default_factory=time.time)
-    hash: str = "sha256"
-    """The digest of every file record (a key of HASHES); the records name it: ``{"size", "sha256"}``."""
+    hash: str = HASH_NAME
+    """The digest of every file record (a key of HASHES); the records name it: ``{"size", "<hash>"}``."""
     rank_state: bool = True
     """Whether every rank's own file is listed. False only for a rescue replica (elastic_ddp.checkpoint.replica):
     the replicated state alone, resumed like a world-size change (RNG streams re-derived)."""
@@ -136,7 +138,7 @@ class Manifest:
             raise ValueError("data_digest is not a sha256 hex digest")
         if "fingerprint" in meta and not isinstance(meta["fingerprint"], dict):
             raise TypeError("fingerprint is not an object")
-        hash_name = str(body.get("hash", "sha256"))
+        hash_name = str(body.get("hash", LEGACY_HASH_NAME))  # manifests before the field hashed with SHA-256
         if hash_name not in HASHES:
             raise ValueError(f"hash {hash_name!r} is not one of {', '.join(HASHES)}")
         files = {name: _file_record(name, record, hash_name) for name, record in _dict(body, "files").items()}

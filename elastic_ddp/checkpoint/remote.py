@@ -58,7 +58,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import hashlib
 import itertools
 import logging
 import os
@@ -72,7 +71,7 @@ import fsspec
 from fsspec.core import split_protocol, strip_protocol
 
 from elastic_ddp._compat import IncompatibleLibraryError
-from elastic_ddp.checkpoint.files import Checksum, FileRecord, basename
+from elastic_ddp.checkpoint.files import HASH_NAME, Checksum, FileRecord, basename, file_record
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
 logger = logging.getLogger(__name__)
@@ -237,9 +236,9 @@ class FsspecStorage:
         with self._errors("read", path):
             return self._fs.cat_file(path)
 
-    def read_hashed(self, path: str) -> tuple[bytes, FileRecord]:
+    def read_hashed(self, path: str, hash_name: str = HASH_NAME) -> tuple[bytes, FileRecord]:
         data = self.read(path)
-        return data, FileRecord(size=len(data), digest=hashlib.sha256(data).hexdigest())
+        return data, file_record(data, hash_name)
 
     def list_dir(self, path: str) -> list[str]:
         with self._errors("list", path):

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from elastic_ddp.checkpoint.files import (
     HASH_NAME,
     READ_CHUNK_BYTES,
+    STORED_HASHES,
     Checksum,
     FileRecord,
     basename,
@@ -37,8 +38,8 @@ from elastic_ddp.checkpoint.files import (
 )
 from elastic_ddp.errors import CheckpointConflictError, CheckpointError, CheckpointStorageError
 
-__all__ = ["HASH_NAME", "READ_CHUNK_BYTES", "Checksum", "CheckpointStorageError", "FileRecord", "LocalStorage", "Storage",
-           "basename", "is_local", "lower_thread_priority", "open_storage", "uninitialised"]
+__all__ = ["HASH_NAME", "READ_CHUNK_BYTES", "STORED_HASHES", "Checksum", "CheckpointStorageError", "FileRecord", "LocalStorage",
+           "Storage", "basename", "is_local", "lower_thread_priority", "open_storage", "uninitialised"]
 
 class Storage(Protocol):
     """Where checkpoints live: :class:`LocalStorage`, or ``remote.FsspecStorage`` for fsspec URIs."""
@@ -48,7 +49,7 @@ class Storage(Protocol):
     def join(self, *parts: str) -> str: ...
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-        """Write a file atomically (whole or not at all) and return its size and checksum."""
+        """Write a file atomically (whole or not at all) and return its size and its HASH_NAME digest."""
 
     def create(self, path: str, data: bytes) -> None:
         """Write a small file only if it does not exist yet.
@@ -65,8 +66,9 @@ class Storage(Protocol):
     def read(self, path: str) -> bytes:
         """The whole file; CheckpointError when it does not exist."""
 
-    def read_hashed(self, path: str) -> tuple[bytes | memoryview, FileRecord]:
-        """The whole file and the size and checksum of what was read (hashed as it arrives)."""
+    def read_hashed(self, path: str, hash_name: str = HASH_NAME) -> tuple[bytes | memoryview, FileRecord]:
+        """The whole file and the size and digest (``hash_name``, one of STORED_HASHES: the manifest's)
+        of what was read."""
 
     def list_dir(self, path: str) -> list[str]:
         """Names (not paths) directly under ``path``; empty when it does not exist."""
@@ -123,15 +125,15 @@ class LocalStorage:
             with open(path, "rb") as handle:
                 return handle.read()
 
-    def read_hashed(self, path: str) -> tuple[memoryview, FileRecord]:
-        """The whole file, writable, with its size and SHA-256; the hash of one chunk runs on a
-        helper thread while the next is read, so this costs about the hashing alone."""
+    def read_hashed(self, path: str, hash_name: str = HASH_NAME) -> tuple[memoryview, FileRecord]:
+        """The whole file, writable, with its size and ``hash_name`` digest; each chunk is hashed on
+        helper threads while the next is read (:class:`Checksum`)."""
         with _local_errors("read", path):
             with open(path, "rb", buffering=0) as handle:
                 size = os.fstat(handle.fileno()).st_size
                 view = uninitialised(size)
                 got = 0
-                with Checksum() as checksum:
+                with Checksum(hash_name) as checksum:
                     while got < size:
                         count = handle.readinto(view[got : got + READ_CHUNK_BYTES])
                         if not count:  # cut short meanwhile: return what is there; sizes will differ

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from elastic_ddp.checkpoint import CheckpointManager
+from elastic_ddp.checkpoint.files import HASH_NAME, file_record
 from elastic_ddp.checkpoint.manifest import MANIFEST_NAME, Manifest
 from elastic_ddp.config import TrainConfig, fingerprint
 from elastic_ddp.data import ElasticSampler
@@ -149,10 +150,8 @@ def test_pickled_objects_are_refused(tmp_path: Path) -> None:
 
     torch.save({"model": Payload()}, evil)
     # Re-list the file with its real checksum: the checksum is fine, the content is still refused.
-    import hashlib
-
     body = json.loads((tmp_path / "step-00000001" / MANIFEST_NAME).read_text())
-    body["files"][saved.replicated_file] = {"size": evil.stat().st_size, "sha256": hashlib.sha256(evil.read_bytes()).hexdigest()}
+    body["files"][saved.replicated_file] = {"size": evil.stat().st_size, HASH_NAME: file_record(evil.read_bytes()).digest}
     (tmp_path / "step-00000001" / MANIFEST_NAME).write_text(json.dumps(body))
     with pytest.raises(NoValidCheckpointError, match="not a valid elastic_ddp tensor file"):
         m.restore(make_state())
@@ -230,7 +229,7 @@ def test_a_checkpoint_that_cannot_be_read_now_is_neither_counted_nor_removed(tmp
         m.wait_for_retention()
     reader = manager(tmp_path, keep=2)  # a new process: has verified nothing yet
 
-    def hiccup(path: str) -> tuple[bytes, object]:
+    def hiccup(path: str, hash_name: str) -> tuple[bytes, object]:
         raise CheckpointError(f"{path}: storage hiccup")
 
     reader.storage.read_hashed = hiccup  # type: ignore[method-assign]
@@ -319,8 +318,6 @@ def test_any_optimizer_is_sharded_with_its_class_defaults_and_param_groups(make)
 
 @pytest.mark.parametrize("content", [[1, 2, 3], {"model": [1, 2]}, {"model": {}, "optimizer": {"state": 3}}])
 def test_a_file_with_a_valid_hash_but_the_wrong_structure_is_one_error_naming_the_checkpoint(tmp_path: Path, content) -> None:
-    import hashlib
-
     from elastic_ddp.checkpoint.format import encode_chunks, flatten
 
     state = make_state()
@@ -329,7 +326,7 @@ def test_a_file_with_a_valid_hash_but_the_wrong_structure_is_one_error_naming_th
     path = tmp_path / "step-00000001" / saved.replicated_file
     path.write_bytes(b"".join(bytes(chunk) for chunk in encode_chunks(flatten(content))))
     body = json.loads((tmp_path / "step-00000001" / MANIFEST_NAME).read_text())
-    body["files"][saved.replicated_file] = {"size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    body["files"][saved.replicated_file] = {"size": path.stat().st_size, HASH_NAME: file_record(path.read_bytes()).digest}
     (tmp_path / "step-00000001" / MANIFEST_NAME).write_text(json.dumps(body))
     with pytest.raises(CheckpointError, match=r"step(-0000000| )1"):  # one error naming the step, not a KeyError
         manager(tmp_path).restore(make_state())
@@ -353,7 +350,6 @@ def test_an_unexpected_error_in_the_commit_keeps_its_traceback(tmp_path: Path, c
 
 def test_another_ranks_damaged_file_rejects_the_checkpoint_while_rank_0_reads_its_own(tmp_path: Path, caplog) -> None:
     """Rank 0 verifies the other ranks' files (on threads) beside its own: one that does not match rejects the step."""
-    import hashlib
     import shutil
 
     state = make_state()
@@ -367,7 +363,7 @@ def test_another_ranks_damaged_file_rejects_the_checkpoint_while_rank_0_reads_it
     other = step_dir / saved.rank_file(0).replace("rank-00000", "rank-00001")
     shutil.copy(step_dir / saved.rank_file(0), other)
     body = json.loads((step_dir / MANIFEST_NAME).read_text())
-    body["files"][other.name] = {"size": other.stat().st_size, "sha256": hashlib.sha256(other.read_bytes()).hexdigest()}
+    body["files"][other.name] = {"size": other.stat().st_size, HASH_NAME: file_record(other.read_bytes()).digest}
     body["world_size"] = 2
     (step_dir / MANIFEST_NAME).write_text(json.dumps(body))
     m = manager(tmp_path)
