@@ -88,8 +88,10 @@ def run(command: list[str], timeout: float = 240, env: dict[str, str] | None = N
         output, _ = process.communicate()
         raise AssertionError(f"{' '.join(command)} did not finish in {timeout}s:\n{output[-3000:]}") from None
     finally:
-        if process.poll() is None:
+        try:  # whatever of the launch is left in its session (workers its launcher left behind included)
             os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return JobResult(process.returncode, output)
 
 
