@@ -58,12 +58,14 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
 
 
 def hash_threads() -> int:
-    """Threads that hash a file's pieces: one per core this process may run on, at most MAX_HASH_THREADS."""
+    """Helper threads that hash a file's pieces: one per core this process may run on but the one the feeding
+    thread writes or reads on (at least one, at most MAX_HASH_THREADS). The feeding thread hashes too once
+    its stream has ended (:meth:`Checksum.record`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_HASH_THREADS, cores))
+    return max(1, min(MAX_HASH_THREADS, cores - 1))
 
 
 @dataclass(frozen=True)
@@ -83,10 +85,11 @@ class Checksum:
     names) the stream is cut into pieces of PIECE_BYTES at fixed offsets from its start, however
     the chunks fall (the last piece is shorter; an empty stream has none), and the digest is
     ``SHA-256(_TREE_DOMAIN || size as 8 bytes little endian || SHA-256 of each piece, in order)``.
-    Each whole piece is hashed on one of :func:`hash_threads` helper threads as soon as it is
-    complete, the last one by :meth:`record`; hashlib releases the GIL, so the pieces hash on every
-    core while the caller writes or reads the next chunk, and a save costs about its write instead
-    of one core's SHA-256 of the whole file. A changed, lost, added or moved byte changes a piece's
+    Each whole piece is queued for :func:`hash_threads` helper threads as soon as it is complete;
+    :meth:`record` hashes the last one and then, on the feeding thread, whatever no helper has taken
+    yet. hashlib releases the GIL, so the pieces hash on the other cores while the caller writes or
+    reads the next chunk, and on all of them once it waits: a save costs about its write instead of
+    one core's SHA-256 of the whole file. A changed, lost, added or moved byte changes a piece's
     digest or the size, and with it the file's digest: two files with one digest would be a SHA-256
     collision, as for SHA-256 of the whole file. Under LEGACY_HASH_NAME (SHA-256 of the whole
     stream, what checkpoints written before the tree hash name) chunks from PARALLEL_MIN_BYTES on
@@ -155,6 +158,14 @@ class Checksum:
     def record(self) -> FileRecord:
         """The size and digest of every byte passed to :meth:`update`; raises what hashing raised."""
         last = _sha256_of(self._piece) if self._piece else b""  # the last, shorter piece, while the helpers finish
+        if self._tree and self._queue is not None:  # then the pieces no helper has taken yet: the order is free
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    self._run(*job)
         self._finish()
         if self._failure is not None:
             raise self._failure

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -121,7 +122,12 @@ def test_pieces_hash_on_helper_threads_at_once(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(files_module, "_sha256_of", meeting)
     data = os.urandom(2 * P + 3)
-    assert fed_in_odd_chunks(data).digest == reference_tree_digest(data)
+    with Checksum() as checksum:
+        checksum.update(data)
+        deadline = time.monotonic() + 30
+        while len(hashed_on) < 2 and time.monotonic() < deadline:  # before record(), which would hash what is left
+            time.sleep(0.01)
+        assert checksum.record().digest == reference_tree_digest(data)
     assert len(hashed_on) == 2 and all(name.startswith("elastic-ddp-sha256-tree-4m") for name in hashed_on)
     assert hash_threads_alive() == []
 
@@ -149,6 +155,32 @@ def test_without_helper_threads_the_feeding_thread_hashes(monkeypatch: pytest.Mo
     data = os.urandom(2 * P + 1)
     assert fed_in_odd_chunks(data).digest == reference_tree_digest(data)
     assert fed_in_odd_chunks(data, LEGACY_HASH_NAME).digest == hashlib.sha256(data).hexdigest()
+
+
+def test_helpers_leave_the_feeding_threads_core_free_and_it_hashes_what_is_left_when_the_stream_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert files_module.hash_threads() == 1
+    monkeypatch.setattr(files_module.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert files_module.hash_threads() == files_module.MAX_HASH_THREADS
+    monkeypatch.setattr(files_module.os, "sched_getaffinity", lambda pid: {0})
+    assert files_module.hash_threads() == 1
+    helper_busy, real, hashed_on = threading.Event(), files_module._sha256_of, []
+
+    def slow_helper(views: list[memoryview]) -> bytes:
+        hashed_on.append(threading.current_thread() is threading.main_thread())
+        if not hashed_on[-1] and not helper_busy.is_set():
+            helper_busy.set()
+            time.sleep(0.5)  # holds the one helper while record() runs
+        return real(views)
+
+    monkeypatch.setattr(files_module, "_sha256_of", slow_helper)
+    data = os.urandom(6 * P)
+    with Checksum() as checksum:
+        checksum.update(data)
+        assert helper_busy.wait(30)
+        assert checksum.record().digest == reference_tree_digest(data)
+    assert hashed_on.count(True) >= 4  # the five pieces queued behind the helper's first went to the feeding thread
 
 
 def test_leaving_without_a_record_ends_the_helper_threads() -> None:
