@@ -1,4 +1,10 @@
-"""Step metrics: a JSONL file (rank 0), the same scalars for TensorBoard, a progress line, and the timers that feed them."""
+"""Step metrics: a JSONL file (rank 0), the same scalars for TensorBoard, a progress bar, and the timers that feed them.
+
+Under ``elastic-ddp launch`` rank 0 also feeds the launcher's console: the launcher names a file in
+:data:`PROGRESS_FILE_ENV`, and rank 0 appends one JSON line to it for the step it reached (at most
+every :data:`FEED_INTERVAL_S`, and the last step) and one for each metrics line (loss, samples/s, world
+size): :class:`ProgressFeed`; the launcher reads it (:mod:`elastic_ddp.launcher.console`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,72 @@ import sys
 import time
 from typing import IO, Any
 
+from tqdm import tqdm
+
 from elastic_ddp.events import Event, EventLog
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 """Under the log directory: the TensorBoard run directory (``tensorboard --logdir <log-dir>/tensorboard``)."""
 _NOT_SCALARS = frozenset({"step", "time"})
+PROGRESS_FILE_ENV = "ELASTIC_DDP_PROGRESS_FILE"
+"""Set by ``elastic-ddp launch`` for every worker: the file rank 0 appends its progress to (:class:`ProgressFeed`)."""
+FEED_INTERVAL_S = 0.5
+"""The least time between two step lines of the feed."""
+FEED_FIELDS = ("step", "total", "epoch", "loss", "samples_per_s", "tokens_per_s", "world_size")
+"""What a feed line may carry besides ``time`` (each line has ``time`` and ``step``)."""
+
+
+class ProgressFeed:
+    """Rank 0's progress for the launcher's console: one JSON object per line, appended with one ``os.write`` to
+    the file :data:`PROGRESS_FILE_ENV` names (opened ``O_APPEND``, as the events file is, so restarted workers and
+    a rank 0 on another node append to the same file). A no-op elsewhere, and after a failed write."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._last_step_line = 0.0
+        if path:
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError:
+                self._fd = None
+
+    @classmethod
+    def from_env(cls, is_main: bool | None = None) -> ProgressFeed:
+        """The feed of this process: the launcher's file for rank 0 (``is_main``, default: ``RANK`` is 0 or unset)."""
+        if is_main is None:
+            is_main = os.environ.get("RANK", "0") == "0"
+        return cls(os.environ.get(PROGRESS_FILE_ENV, "") if is_main else "")
+
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def step(self, step: int, total: int, final: bool = False) -> None:
+        """The step reached (of ``total``; 0: no end in steps); written at most every FEED_INTERVAL_S unless ``final``."""
+        now = time.monotonic()
+        if self._fd is None or (not final and now - self._last_step_line < FEED_INTERVAL_S):
+            return
+        self._last_step_line = now
+        self._write({"step": step, **({"total": total} if total else {})})
+
+    def metrics(self, record: dict[str, Any]) -> None:
+        """A metrics line (what metrics.jsonl gets): its step, loss, throughput and world size."""
+        if self._fd is not None and "step" in record and "loss" in record:
+            self._write({name: record[name] for name in FEED_FIELDS if name in record})
+
+    def _write(self, fields: dict[str, Any]) -> None:
+        assert self._fd is not None
+        try:
+            os.write(self._fd, (json.dumps({"time": time.time(), **fields}) + "\n").encode())
+        except OSError:
+            self.close()  # the console is a view: training goes on without it
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class MetricsWriter:
@@ -26,6 +92,8 @@ class MetricsWriter:
 
     def __init__(self, log_dir: str, enabled: bool, tensorboard: bool = False, events: EventLog | None = None) -> None:
         self.path = os.path.join(log_dir, METRICS_FILE) if (log_dir and enabled) else ""
+        self._feed = ProgressFeed.from_env(is_main=enabled)
+        """The launcher's console gets every line too (:class:`ProgressFeed`), with or without a log directory."""
         self._file: IO[str] | None = None
         self._board: TensorBoardWriter | None = None
         self._events = events
@@ -38,6 +106,7 @@ class MetricsWriter:
                     events.add_listener(self._board.mark)
 
     def write(self, record: dict[str, Any]) -> None:
+        self._feed.metrics(record)
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
@@ -45,6 +114,7 @@ class MetricsWriter:
             self._board.scalars(record)
 
     def close(self) -> None:
+        self._feed.close()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -106,33 +176,41 @@ class TensorBoardWriter:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn in place; only when enabled (rank 0, a terminal)."""
+    """Rank 0's progress bar on stderr (tqdm): steps done of ``total``, the rate, the time left and ``text`` (the
+    loss); drawn only when ``enabled`` (rank 0, a terminal: :meth:`wanted`). Under ``elastic-ddp launch`` rank 0
+    also feeds the launcher's console (:class:`ProgressFeed`), terminal or not."""
 
     def __init__(self, total: int, enabled: bool, stream: IO[str] | None = None) -> None:
         self.total = total
         self.stream = stream or sys.stderr
         self.enabled = enabled
-        self._last_draw = 0.0
+        self._bar: tqdm | None = None
+        self._feed = ProgressFeed.from_env()
+        self._step: int | None = None
 
     @staticmethod
     def wanted(mode: str, is_main: bool) -> bool:
         return is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
 
     def update(self, step: int, text: str) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last_draw < 0.1 and step != self.total):
+        self._step = step
+        self._feed.step(step, self.total, final=step == self.total)
+        if not self.enabled:
             return
-        self._last_draw = now
-        width = 30
-        filled = int(width * step / self.total) if self.total else 0
-        bar = "#" * filled + "." * (width - filled)
-        self.stream.write(f"\r[{bar}] {step}/{self.total or '?'} {text}\033[K")
-        self.stream.flush()
+        if self._bar is None:  # from the step this launch resumed at: the rate and time left are this launch's
+            self._bar = tqdm(total=self.total or None, initial=max(step - 1, 0), file=self.stream, unit="step",
+                             dynamic_ncols=True, mininterval=0.1, leave=True)
+        self._bar.update(step - self._bar.n)
+        if text:
+            self._bar.set_postfix_str(text, refresh=False)
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._step is not None:
+            self._feed.step(self._step, self.total, final=True)
+        self._feed.close()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 class StepTimer:
