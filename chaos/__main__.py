@@ -7,7 +7,8 @@
                                                     library path: examples/byo_loop/train.py)
   python -m chaos demo [--report-dir DIR]           the 'demo' scenario (about a minute), then its report
   python -m chaos launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] [--nodes-start N] -- SCRIPT ARGS...
-                                                    a local elastic job (embedded etcd unless --etcd)
+                                                    a local elastic job: `elastic-ddp launch` (the
+                                                    runtime's launcher, elastic_ddp.launcher)
   python -m chaos clean                             remove the network namespaces (edp-*) of runs whose
                                                     process is gone (a killed harness's leftovers)
 """
@@ -25,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from chaos import launch as launch_command
 from chaos.scenario import ChaosError, load_scenario, scenario_names, with_script
+from elastic_ddp.errors import ElasticDDPError
 
 
 def default_cache_dir() -> Path:
@@ -79,8 +80,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_launch(args: argparse.Namespace) -> int:
-    return launch_command.launch(args)
+def cmd_launch(argv: Sequence[str]) -> int:
+    """``elastic-ddp launch ARGV``: the launcher speaks, and stops on signals, as itself."""
+    from elastic_ddp.launcher import main as launch_main
+
+    return launch_main(argv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,9 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     commands.add_parser("clean", help="remove network namespaces left by runs whose process is gone").set_defaults(
         func=cmd_clean)
-    launch = commands.add_parser("launch", help="a local elastic job of simulated nodes")
-    launch_command.add_arguments(launch)
-    launch.set_defaults(func=cmd_launch)
+    launch = commands.add_parser("launch", add_help=False, help="a local elastic job of simulated nodes "
+                                 "(elastic-ddp launch; python -m chaos launch --help)")
+    launch.add_argument("launch_args", nargs=argparse.REMAINDER)  # main() hands these to the launcher
     return parser
 
 
@@ -114,13 +118,16 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        return cmd_launch(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except ChaosError as exc:
+    except (ChaosError, ElasticDDPError) as exc:
         print(f"chaos: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,190 +1,41 @@
-"""A local multi-node cluster: N simulated nodes, each a ``torchrun`` agent with its workers.
+"""A local multi-node cluster for fault scenarios: :mod:`elastic_ddp.launcher.nodes`, plus nodes in network namespaces.
 
-Every node's agent runs in its own session, and torchrun starts each worker in a session of
-its own too; :meth:`Node.signal_node` signals the agent's process group and every worker's,
-so a node can be killed, stopped or preempted as a whole — agent, workers and their
-DataLoader processes together — the way a machine goes away. All
-nodes rendezvous on 127.0.0.1 through ``c10d`` or ``etcd-v3``. Nodes can be added and removed
-while the job runs. :meth:`LocalCluster.close` stops every process it started, by process
-group and pid, on every exit path (use it as a context manager; Ctrl-C included).
+The nodes, their process groups and how they are stopped are the launcher's (``elastic-ddp launch``
+starts the same nodes): each node's agent runs in its own session, and torchrun starts each worker
+in a session of its own too, so :meth:`Node.signal_node` kills, stops or preempts a node as a whole —
+agent, workers and their DataLoader processes together — the way a machine goes away.
+:meth:`LocalCluster.close` stops every process it started, by process group and pid, on every exit
+path (use it as a context manager; Ctrl-C included). Scenario nodes do not take the launcher's
+parent-death signal: faults add nodes from threads of their own.
 
 With a :class:`~chaos.netns.Fabric` every node runs in a network namespace of its own (host ``n<i>``, its
 own address on the harness's bridge, gloo bound to its ``eth0``) and rendezvous through etcd-v3 only, so
 network faults can cut, slow or thin its links; the agent's ``--local-addr`` (hence the workers'
 ``MASTER_ADDR``) is that address.
 
-The runtime never imports this package: chaos drives jobs only from the outside.
+chaos imports the runtime's launcher; the runtime never imports this package.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from chaos.netns import IFNAME, Fabric, exec_prefix
-
-logger = logging.getLogger(__name__)
-
-HOST = "127.0.0.1"
-
-
-REPLICA_DIR_ENV = "ELASTIC_DDP_REPLICA_DIR"
-"""elastic_ddp.checkpoint.replica.REPLICA_DIR_ENV, restated: importing the runtime would import torch here."""
-SHARD_CACHE_DIR_ENV = "ELASTIC_DDP_SHARD_CACHE_DIR"
-"""elastic_ddp.shards.dataset.CACHE_DIR_ENV, restated likewise: every node's shard cache is its own, empty at its start."""
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the kernel's choice)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class JobSpec:
-    """What each node runs, and how the agents rendezvous."""
-
-    script: str
-    args: list[str]
-    nnodes: str = "1:2"
-    nproc_per_node: int = 2
-    rdzv_backend: str = "c10d"
-    rdzv_endpoint: str = ""
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    run_id: str = "chaos"
-    max_restarts: int = 10
-    monitor_interval_s: float = 0.1
-    """torchrun's --monitor-interval (its default): how soon an agent sees a worker exit."""
-    env: dict[str, str] = field(default_factory=dict)
-    prefork: bool = True
-    """Start workers through :mod:`elastic_ddp.prefork` (a per-node fork server that imported torch
-    once), so a restart does not pay for Python importing torch again."""
-
-    def torchrun_command(self, extra_args: Sequence[str] = (), local_addr: str = HOST) -> list[str]:
-        conf = ",".join(f"{key}={value}" for key, value in self.rdzv_conf.items())
-        command = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
-            f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.rdzv_endpoint}",
-            f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
-            f"--monitor-interval={self.monitor_interval_s}", "--local-addr", local_addr,
-        ]
-        if conf:
-            command.append(f"--rdzv-conf={conf}")
-        launcher = ["-m", "elastic_ddp.prefork"] if self.prefork else []
-        return command + [*launcher, self.script, *self.args, *extra_args]
-
-
-class Node:
-    """One simulated node: a torchrun agent in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path,
-                 prefork_script: str = "", replica_dir: Path | None = None, prestart_fork_server: bool = True) -> None:
-        self.name = name
-        self.replica_dir = replica_dir
-        """This node's memory for replicas (``ELASTIC_DDP_REPLICA_DIR``): nodes of one machine must not share it."""
-        self.command = command
-        self.env = env
-        self.log_path = log_path
-        self.prefork_script = prefork_script
-        """The script of a job run through :mod:`elastic_ddp.prefork`: its fork server starts with the agent."""
-        self.prestart_fork_server = prestart_fork_server
-        """Start the fork server here, with the agent. False for a node in a network namespace: the server's
-        abstract unix socket belongs to the namespace it binds in, so the node's etcd-v3 agent (or, under c10d,
-        its first launcher) starts it there."""
-        self.process: subprocess.Popen | None = None
-        self.started_at = 0.0
-
-    def start(self) -> Node:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - closed by the child's exit; Popen dups it
-        try:
-            self.process = subprocess.Popen(
-                self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        finally:
-            log.close()
-        self.started_at = time.monotonic()
-        if self.prefork_script and self.prestart_fork_server:  # importing torch overlaps the rendezvous
-            from elastic_ddp.prefork import start_server
-
-            start_server(self.process.pid, self.prefork_script, self.env)
-        logger.info("node %s started: agent pid %d", self.name, self.process.pid)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None, f"node {self.name} was never started"
-        return self.process.pid
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def signal_agent(self, signum: int) -> None:
-        """Signal the agent alone (as an orchestrator's SIGTERM to the launcher would)."""
-        if self.running:
-            os.kill(self.pid, signum)
-
-    def signal_node(self, signum: int) -> None:
-        """Signal the agent and all its workers at once (a machine going away, freezing, resuming)."""
-        if self.process is None:
-            return
-        for group in [self.pid, *self.worker_pids()]:
-            try:
-                os.killpg(group, signum)
-            except ProcessLookupError:
-                pass
-
-    def lose_memory(self) -> None:
-        """What a node that is gone loses with its machine: the replicas it kept in memory."""
-        if self.replica_dir is not None:
-            shutil.rmtree(self.replica_dir, ignore_errors=True)
-
-    def worker_pids(self) -> list[int]:
-        """Pids of the agent's worker processes (its children), read from /proc."""
-        return [pid for pid, parent in _process_parents().items() if parent == self.pid]
-
-    def wait(self, timeout: float) -> int:
-        assert self.process is not None
-        return self.process.wait(timeout=timeout)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """End the whole node: SIGTERM to the agent and workers, SIGKILL to all of them after ``grace_s``."""
-        if self.process is None:
-            return
-        workers = self.worker_pids()  # before the agent exits: orphaned workers cannot be found by parent
-        if self.process.poll() is None:
-            self.signal_node(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        for group in [self.pid, *workers]:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.process.poll() is None:
-            self.process.wait(timeout=30)
-        if self.prefork_script:
-            kill_fork_servers(self.pid)  # each exits by itself once the agent has, but not while still importing
+from elastic_ddp.launcher import nodes as _nodes
+from elastic_ddp.launcher.nodes import (  # noqa: F401 - the names scenarios, tests and benchmarks import from here
+    HOST,
+    REPLICA_DIR_ENV,
+    SHARD_CACHE_DIR_ENV,
+    JobSpec,
+    Node,
+    fork_servers,
+    free_port,
+    kill_fork_servers,
+    parent_pid,
+    process_alive,
+    wait_for,
+)
 
 
 def host_name(node_name: str) -> str:
@@ -192,172 +43,20 @@ def host_name(node_name: str) -> str:
     return "n" + node_name.removeprefix("node")
 
 
-def _accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def fork_servers(agent_pid: int) -> list[int]:
-    """Pids of the prefork servers serving ``agent_pid`` (``... elastic_ddp.prefork --serve ADDRESS AGENT_PID``)."""
-    servers = []
-    for pid in _pids():
-        argv = (_read_proc(pid, "cmdline") or "").split("\0")
-        if "elastic_ddp.prefork" in argv and "--serve" in argv:
-            serve = argv.index("--serve")
-            if argv[serve + 2 : serve + 3] == [str(agent_pid)]:
-                servers.append(pid)
-    return servers
-
-
-def kill_fork_servers(agent_pid: int, timeout: float = 30.0) -> list[int]:
-    """SIGKILL the :mod:`elastic_ddp.prefork` servers of ``agent_pid``, if any, and wait until they are gone;
-    those still alive after ``timeout``."""
-    servers = fork_servers(agent_pid)
-    for pid in servers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while servers and time.monotonic() < deadline:
-        servers = [pid for pid in servers if process_alive(pid)]
-        time.sleep(0.02)
-    return servers
-
-
-def parent_pid(pid: int) -> int | None:
-    """The parent of ``pid``; None if the process is gone."""
-    fields = _stat_fields(pid)
-    return None if fields is None else int(fields[1])
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
-
-
-def _process_parents() -> dict[int, int]:
-    parents: dict[int, int] = {}
-    for pid in _pids():
-        if (parent := parent_pid(pid)) is not None:
-            parents[pid] = parent
-    return parents
-
-
-def _pids() -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """``/proc/PID/stat`` after the command name: state, ppid, ...; None if the process is gone."""
-    stat = _read_proc(pid, "stat")
-    # the command name is in parentheses and may contain spaces
-    return None if stat is None else stat.rsplit(")", 1)[1].split()
-
-
-def _read_proc(pid: int, name: str) -> str | None:
-    try:
-        with open(f"/proc/{pid}/{name}", encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
-class LocalCluster:
-    """Start, grow, shrink and stop a job of simulated nodes on this machine."""
+class LocalCluster(_nodes.LocalCluster):
+    """Start, grow, shrink and stop a job of simulated nodes on this machine, optionally in network namespaces."""
 
     def __init__(self, spec: JobSpec, workdir: Path, fabric: Fabric | None = None) -> None:
-        self.spec = spec
-        self.workdir = workdir
-        self.fabric = fabric
-        """With a fabric, every node runs in a network namespace of its own (host ``n<i>``, see :mod:`chaos.netns`)."""
-        self.nodes: list[Node] = []
         if fabric is not None and spec.rdzv_backend != "etcd-v3":
             raise ValueError("nodes in network namespaces rendezvous through etcd-v3 (c10d's store lives in node0's agent)")
-        if not spec.rdzv_endpoint:
-            spec.rdzv_endpoint = f"{HOST}:{free_port()}"
+        super().__init__(spec, workdir)
+        self.fabric = fabric
+        """With a fabric, every node runs in a network namespace of its own (host ``n<i>``, see :mod:`chaos.netns`)."""
 
-    def __enter__(self) -> LocalCluster:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def node_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            # a fresh worker store per restart (elastic_ddp/rendezvous/RESTARTS.md)
-            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        )
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
-        env.update(self.spec.env)
-        return env
-
-    def add_node(self, extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> Node:
-        """Start one more node (it joins at the next rendezvous round).
-
-        With ``c10d`` the rendezvous store lives in the agent that binds the endpoint first, and
-        dies with it. The first node is therefore started alone and given the store before any
-        other starts, so "node0 hosts the store" holds in every run (never preempt node0 under
-        c10d; ``etcd-v3`` has no such node).
-        """
-        name = f"node{len(self.nodes)}"
-        replica_dir = self.workdir / "node-memory" / name
-        cache_dir = self.workdir / "node-cache" / name
-        command, network_env = self.spec.torchrun_command(extra_args), {}
-        if self.fabric is not None:
-            where = self.fabric.add_host(host_name(name))
-            command = exec_prefix(where.namespace) + self.spec.torchrun_command(extra_args, local_addr=where.address)
-            network_env = {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}
-        node = Node(name, command,
-                    {**self.node_env(), REPLICA_DIR_ENV: str(replica_dir), SHARD_CACHE_DIR_ENV: str(cache_dir), **network_env,
-                     **(env or {})},
-                    self.workdir / f"{name}.log", prefork_script=self.spec.script if self.spec.prefork else "",
-                    replica_dir=replica_dir, prestart_fork_server=self.fabric is None)
-        self.nodes.append(node.start())
-        if self.spec.rdzv_backend == "c10d" and len(self.nodes) == 1:
-            host, port = self.spec.rdzv_endpoint.rsplit(":", 1)
-            wait_for(lambda: _accepts(host, int(port)) or not node.running, 120, f"node0 to host the c10d store on {host}:{port}")
-        return node
-
-    def start(self, count: int) -> LocalCluster:
-        for _ in range(count):
-            self.add_node()
-        return self
-
-    def wait_all(self, timeout: float) -> dict[str, int]:
-        """Wait until every node's agent exited; their exit statuses by node name."""
-        deadline = time.monotonic() + timeout
-        codes: dict[str, int] = {}
-        for node in self.nodes:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                codes[node.name] = node.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"node {node.name} still running after {timeout:.0f} s:\n{node.output()[-3000:]}") from None
-        return codes
-
-    def close(self) -> None:
-        """Stop every node this cluster started (agents and workers), whatever state they are in."""
-        for node in self.nodes:
-            node.signal_node(signal.SIGCONT)  # a stopped node cannot act on SIGTERM
-            node.stop()
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll ``predicate`` until it returns something truthy; raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    def node_command(self, name: str, extra_args: Sequence[str]) -> tuple[list[str], dict[str, str], bool]:
+        if self.fabric is None:
+            return super().node_command(name, extra_args)
+        where = self.fabric.add_host(host_name(name))
+        command = exec_prefix(where.namespace) + self.spec.torchrun_command(extra_args, local_addr=where.address)
+        # the fork server's abstract unix socket belongs to the namespace it binds in: the node's agent starts it
+        return command, {"GLOO_SOCKET_IFNAME": IFNAME, "NCCL_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME}, False

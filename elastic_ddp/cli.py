@@ -16,7 +16,8 @@
                                            each shard and piece that does not match
 
   elastic-ddp launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] -- SCRIPT ARGS...
-                                           a local elastic run on this machine (embedded etcd)
+                                           a local elastic run on this machine (embedded etcd), its
+                                           console showing rank 0's progress, restarts and recoveries
   elastic-ddp demo                         the recovery demo: kill a worker, preempt a node, report
   elastic-ddp doctor [--json] [--rdzv-endpoint HOST:PORT]
                                            network health: store, TCP matrix, all-reduce bus bandwidth,
@@ -24,8 +25,9 @@
                                            `-m elastic_ddp.doctor` on every node; alone: one rank)
 
 URI is a checkpoint root (``--checkpoint-dir`` of a run) or one ``step-N`` directory in it.
-``launch`` and ``demo`` hand over to the ``chaos`` package (``python -m chaos``), which drives
-jobs from the outside; the runtime itself never imports it.
+``launch`` is the runtime's launcher (:mod:`elastic_ddp.launcher`; this module imports torch only for
+the commands that need it, so the launcher never does). ``demo`` runs the ``chaos`` package's demo
+scenario (``python -m chaos demo``, started as a program: the runtime never imports chaos).
 """
 
 from __future__ import annotations
@@ -38,19 +40,19 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager, export
-from elastic_ddp.checkpoint.files import basename
-from elastic_ddp.checkpoint.format import flatten
-from elastic_ddp.checkpoint.manager import deserialize
-from elastic_ddp.checkpoint.manifest import parse_step_dir
 from elastic_ddp.errors import CheckpointCorruptError, CheckpointError, ConfigError, ElasticDDPError
-from elastic_ddp.state import model_digest
+
+if TYPE_CHECKING:
+    from elastic_ddp.checkpoint import CheckpointInfo, CheckpointManager
 
 
 def _split_uri(uri: str) -> tuple[str, int | None]:
     """A ``.../step-N`` URI names one checkpoint of the root above it."""
+    from elastic_ddp.checkpoint.files import basename
+    from elastic_ddp.checkpoint.manifest import parse_step_dir
+
     step = parse_step_dir(basename(uri))
     if step is None:
         return uri, None
@@ -59,6 +61,8 @@ def _split_uri(uri: str) -> tuple[str, int | None]:
 
 
 def _manager(root: str, options: dict[str, Any] | None = None) -> CheckpointManager:
+    from elastic_ddp.checkpoint import CheckpointManager
+
     return CheckpointManager(root, rank=0, world_size=1, run_id="cli", storage_options=options or None)
 
 
@@ -102,6 +106,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def inspect_checkpoint(uri: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The facts ``ckpt inspect`` prints, as a dict (also used by tests and the chaos verifier)."""
+    from elastic_ddp.checkpoint.manager import deserialize
+    from elastic_ddp.state import model_digest
+
     root, step = _split_uri(uri)
     manager = _manager(root, options)
     info = _pick(manager, step)
@@ -169,6 +176,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from elastic_ddp.checkpoint import export
+    from elastic_ddp.checkpoint.format import flatten
+    from elastic_ddp.checkpoint.manager import deserialize
+
     suffix = export.check_target(args.to, force=args.force)
     root, step = _split_uri(args.uri)
     step = args.step if args.step is not None else step
@@ -290,8 +301,9 @@ def cmd_shards_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def hand_over_to_chaos(command: str, args: Sequence[str]) -> int:
-    """Replace this process with ``python -m chaos COMMAND ARGS`` (same interpreter, same signals)."""
+def run_chaos(command: str, args: Sequence[str]) -> int:
+    """Replace this process with ``python -m chaos COMMAND ARGS`` (same interpreter, same signals): chaos is run
+    as a program, never imported."""
     argv = [sys.executable, "-m", "chaos", command, *args]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -300,6 +312,8 @@ def hand_over_to_chaos(command: str, args: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from elastic_ddp.checkpoint import export
+
     parser = argparse.ArgumentParser(prog="elastic-ddp", description="elastic_ddp tools")
     commands = parser.add_subparsers(dest="command", required=True)
     ckpt = commands.add_parser("ckpt", help="list, inspect, verify and clean up checkpoints")
@@ -359,9 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify_shards.set_defaults(func=cmd_shards_verify)
     launch = commands.add_parser("launch", add_help=False,
                                  help="a local elastic run: --nodes MIN:MAX --nproc-per-node N [--etcd HOST:PORT] -- SCRIPT ARGS")
-    launch.set_defaults(func=None, chaos_command="launch")
+    launch.set_defaults(func=None)
     demo = commands.add_parser("demo", add_help=False, help="recovery demo: 2 local nodes, a worker killed, a node preempted")
-    demo.set_defaults(func=None, chaos_command="demo")
+    demo.set_defaults(func=None)
     commands.add_parser("doctor", add_help=False, help="network health of a job: store, TCP, all-reduce bandwidth, "
                         "slow nodes and links (elastic-ddp doctor --help)")
     return parser
@@ -381,8 +395,12 @@ def _parse_options(text: str) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("launch", "demo"):
-        return hand_over_to_chaos(argv[0], argv[1:])
+    if argv and argv[0] == "launch":
+        from elastic_ddp.launcher import main as launch_main
+
+        return launch_main(argv[1:])
+    if argv and argv[0] == "demo":
+        return run_chaos("demo", argv[1:])
     if argv and argv[0] == "doctor":
         from elastic_ddp import doctor
 

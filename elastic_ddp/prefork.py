@@ -26,6 +26,9 @@ Process semantics, as torchrun and a user see them:
   exits as soon as that agent does. If it cannot be reached or started, the launcher logs why
   and runs the script in its own process instead: slower, never wrong.
 - A worker's parent is the server; :func:`agent_pid` (``ELASTIC_DDP_AGENT_PID``) names its agent.
+- Under ``elastic-ddp launch`` the launcher dies with its agent (a parent-death signal,
+  :mod:`elastic_ddp.lifeline`), so the child dies with it; the server exits when the agent does,
+  also while it is still importing.
 - Children are forked before any CUDA or process-group initialisation (the server touches
   neither); each one re-seeds Python's ``random`` as a fresh interpreter would.
 
@@ -45,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.distributed.elastic.multiprocessing.errors",
            "elastic_ddp.entry")
@@ -218,6 +221,9 @@ def connect_or_start(address: str, agent_pid: int, script: str) -> socket.socket
 
 def launch(argv: list[str]) -> int:
     """Run ``argv`` (script and its arguments) in a child of the node's fork server; its exit status."""
+    from elastic_ddp.lifeline import die_with_agent
+
+    die_with_agent()  # under elastic-ddp launch: this launcher, and through its lifeline the worker, die with the agent
     script = argv[0]
     agent_pid = os.getppid()
     try:
@@ -315,7 +321,7 @@ def serve(address: str, agent_pid: int) -> int:
         pass
     if os.fork():  # detach once listening: the process started exits (start_server), the server is nobody's
         os._exit(0)  # child (an agent's children are its workers, to torchrun and to tools)
-    failure = _preload()
+    failure = _while_agent_lives(agent, _preload)
     warming.close()  # wakes the agent's rendezvous if it waits (wait_until_warm)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
@@ -332,6 +338,30 @@ def serve(address: str, agent_pid: int) -> int:
                     _start_child(conn, selector)
             else:
                 _report_exit(key, selector)
+
+
+def _while_agent_lives(agent: int, work: Callable[[], str]) -> str:
+    """Run ``work`` with a thread that ends this process if the agent (pidfd ``agent``) exits meanwhile: the
+    imports take seconds, and the server must not outlive an agent killed by then. The thread is gone when
+    this returns, so the server forks its workers single-threaded."""
+    stop_read, stop_write = os.pipe()
+
+    def watch() -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(agent, selectors.EVENT_READ, "agent")
+            selector.register(stop_read, selectors.EVENT_READ, "stop")
+            if any(key.data == "agent" for key, _ in selector.select()):
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="prefork-agent-watch", daemon=True)
+    watcher.start()
+    try:
+        return work()
+    finally:
+        os.write(stop_write, b"x")
+        watcher.join()
+        os.close(stop_read)
+        os.close(stop_write)
 
 
 def _preload() -> str:
