@@ -323,11 +323,11 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     row("torch.load + load_state_dict into model and optimizer", t["torch-into-state"], nbytes,
         f"{ratio_spread(times['torch-into-state'], times['torch'])} torch.load; {spread(times['torch-into-state'])}; "
         f"{cpu_note('torch-into-state')}")
-    row("elastic_ddp restore (verify sha256 + load)", t["ours"], nbytes,
+    row("elastic_ddp restore (verify sha256-tree-4m + load)", t["ours"], nbytes,
         f"{ratio_spread(times['ours'], times['torch'])} torch.load; "
         f"{ratio_spread(times['ours'], times['torch-into-state'])} torch.load + load_state_dict; "
         f"{spread(times['ours'])}; {cpu_note('ours')}")
-    print("  (CPU: seconds of CPU time of the process, all threads; restore hashes on a second thread while it reads)")
+    print("  (CPU: seconds of CPU time of the process, all threads; saves and restores hash pieces on helper threads)")
 
 
 def free_port() -> int:

@@ -344,7 +344,7 @@ def check_final_checkpoint(final: CheckpointFacts | None, error: str, max_steps:
         return Check("final-checkpoint", False, error or "no committed checkpoint")
     if final.step != max_steps:
         return Check("final-checkpoint", False, f"the newest committed checkpoint is step {final.step}, not {max_steps}")
-    return Check("final-checkpoint", True, f"{step_dir(final.path)} verifies (every file's size and sha256)")
+    return Check("final-checkpoint", True, f"{step_dir(final.path)} verifies (every file's size and digest)")
 
 
 def check_data(commits: list[Commit], reference: ReferenceFacts, final: CheckpointFacts | None) -> Check:
@@ -849,7 +849,7 @@ def _manager(uri: str, options: dict[str, Any] | None) -> Any:
 
 
 def read_checkpoint(uri: str, options: dict[str, Any] | None = None) -> CheckpointFacts:
-    """The newest committed checkpoint under ``uri``, every file verified (size and sha256); raises
+    """The newest committed checkpoint under ``uri``, every file verified (size and digest); raises
     CheckpointError naming the bad file when it does not verify."""
     from elastic_ddp.checkpoint.manager import deserialize
     from elastic_ddp.state import model_digest

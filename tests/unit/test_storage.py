@@ -23,7 +23,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from elastic_ddp.checkpoint import storage as storage_module
-from elastic_ddp.checkpoint.files import BACKGROUND_NICE, READ_CHUNK_BYTES, Checksum, FileRecord
+from elastic_ddp.checkpoint.files import BACKGROUND_NICE, PIECE_BYTES, READ_CHUNK_BYTES, Checksum, FileRecord
 from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.storage import (
     CheckpointStorageError,
@@ -62,7 +62,9 @@ def open_view(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OpenSt
 
 
 def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    """The files' digest (sha256-tree-4m), computed here independently of elastic_ddp.checkpoint.files."""
+    pieces = b"".join(hashlib.sha256(data[at : at + PIECE_BYTES]).digest() for at in range(0, len(data), PIECE_BYTES))
+    return hashlib.sha256(b"elastic_ddp sha256-tree-4m\x00" + len(data).to_bytes(8, "little") + pieces).hexdigest()
 
 
 def test_write_streams_chunks_and_returns_size_and_sha256(open_view: OpenStorage) -> None:
@@ -470,8 +472,8 @@ def test_the_hashing_thread_runs_at_the_priority_of_the_thread_it_hashes_for(mon
     real = hashlib.sha256
 
     class Spy:
-        def __init__(self) -> None:
-            self._inner = real()
+        def __init__(self, data: bytes = b"") -> None:
+            self._inner = real(data)
 
         def update(self, data: object) -> None:
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -480,8 +482,11 @@ def test_the_hashing_thread_runs_at_the_priority_of_the_thread_it_hashes_for(mon
         def hexdigest(self) -> str:
             return self._inner.hexdigest()
 
+        def digest(self) -> bytes:
+            return self._inner.digest()
+
     monkeypatch.setattr(hashlib, "sha256", Spy)
-    chunk = bytes(Checksum.PARALLEL_MIN_BYTES)
+    chunk = bytes(PIECE_BYTES)  # whole pieces: they go to the helper threads
 
     def hash_two_chunks() -> None:
         with Checksum() as checksum:
