@@ -175,6 +175,16 @@ class TensorBoardWriter:
         self._writer.close()
 
 
+def bar_width(stream: IO[str]) -> dict[str, Any]:
+    """tqdm's size options for ``stream``: follow the terminal's size, or 100 columns and 24 rows where it reports
+    none (a pty of size 0, as ``script`` makes one: tqdm would draw nothing)."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):
+        size = os.terminal_size((0, 0))
+    return {"dynamic_ncols": True} if size.columns > 0 and size.lines > 0 else {"ncols": 100, "nrows": 24}
+
+
 class Progress:
     """Rank 0's progress bar on stderr (tqdm): steps done of ``total``, the rate, the time left and ``text`` (the
     loss); drawn only when ``enabled`` (rank 0, a terminal: :meth:`wanted`). Under ``elastic-ddp launch`` rank 0
@@ -199,7 +209,7 @@ class Progress:
             return
         if self._bar is None:  # from the step this launch resumed at: the rate and time left are this launch's
             self._bar = tqdm(total=self.total or None, initial=max(step - 1, 0), file=self.stream, unit="step",
-                             dynamic_ncols=True, mininterval=0.1, leave=True)
+                             mininterval=0.1, leave=True, **bar_width(self.stream))
         self._bar.update(step - self._bar.n)
         if text:
             self._bar.set_postfix_str(text, refresh=False)

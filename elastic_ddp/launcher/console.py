@@ -37,6 +37,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from elastic_ddp.events import EVENTS_FILE, Event, parse_events
+from elastic_ddp.metrics import bar_width
 
 RATE_WINDOW_S = 30.0
 """The steps of this many seconds (worker time) give the rate the time left is computed at."""
@@ -162,6 +163,7 @@ class Console:
         self._world_size: int | None = None
         self._formations = 0
         self._broken = False
+        self._closed = False
 
     def _isatty(self) -> bool:
         try:
@@ -224,7 +226,7 @@ class Console:
         try:
             if self._bar is None:
                 self._bar = tqdm(total=progress.total or None, initial=progress.step or 0, file=self.stream,
-                                 unit="step", dynamic_ncols=True, mininterval=0.2,
+                                 unit="step", mininterval=0.2, **bar_width(self.stream),
                                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
                                  if progress.total else "step {n_fmt} [{elapsed}{postfix}]")
             if changed:
@@ -275,8 +277,11 @@ class Console:
 
     def close(self) -> None:
         """Read what is left, say the last step reached without a terminal, and take the bar down (the summary
-        follows it)."""
+        follows it). Once closed, it reads and prints nothing more."""
+        if self._closed:
+            return
         self.poll()
+        self._closed = True
         if not self.terminal and self.progress_every_s > 0 and self.progress.step not in (None, self._printed_step):
             self._printed_step = self.progress.step
             self.note(self.progress.line())
