@@ -1,10 +1,13 @@
 """The runtime around a training step: one object, built in one place, behind both doors.
 
-:class:`Runtime` owns everything a worker needs besides the step itself: stop requests (signals, spot
-notices), the hang watchdog, the stop agreement, the group watch, checkpoints (manager and background
-saver), node-memory replicas, the rescue of a survivor's live state, the sample ledger, and the exit
-status. The trainer (:class:`elastic_ddp.trainer.Trainer`) is a step engine on top of it; a hand-written
-loop uses it directly (the library path, ``examples/byo_loop/train.py``)::
+:class:`Runtime` owns everything a worker needs besides the step itself, in two rooms by lifetime. What
+lives as long as the process, :class:`ProcessGuards`: stop requests (signals, spot notices), the hang
+watchdog and the group watch; the runtime itself keeps the events, the rescue and the one exit path.
+What lives as long as one membership, :class:`elastic_ddp.world.World`: rank and world size, the CPU
+groups, the stop agreement, checkpoints (manager and background saver), node-memory replicas and the
+sample ledger. :class:`Lifecycle` names where the runtime is. The trainer
+(:class:`elastic_ddp.trainer.Trainer`) is a step engine on top of it; a hand-written loop uses it directly
+(the library path, ``examples/byo_loop/train.py``)::
 
     with Runtime(state, checkpoint=CheckpointConfig(dir="/ckpt", every=20), events=events) as runtime:
         step = runtime.restore()
@@ -26,6 +29,7 @@ cause.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -38,16 +42,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_ddp.checkpoint import CheckpointManager
-from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
-from elastic_ddp.checkpoint.replica import Replicas, default_root
-from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
+from elastic_ddp.config import CheckpointConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, abandon_group, cpu_group, shares_agent_store
-from elastic_ddp.errors import CheckpointError, ConfigError, ElasticDDPError, UsageError
-from elastic_ddp.events import Event, EventLog, SampleLedger
+from elastic_ddp.distributed import LaunchEnv, abandon_group, shares_agent_store
+from elastic_ddp.errors import ConfigError, ElasticDDPError, UsageError
+from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
-from elastic_ddp.prefork import agent_identity
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, tell_the_agent, write_error_file
@@ -55,7 +55,8 @@ from elastic_ddp.resilience.group import GroupWatch
 from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
-from elastic_ddp.state import Stateful, TrainState, derive_rng_seed, model_digest, rng_digest, seed_rng_streams
+from elastic_ddp.state import Stateful, TrainState, model_digest, rng_digest
+from elastic_ddp.world import World, membership
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -126,14 +127,74 @@ def announce_process_group(events: EventLog, world_size: int, backend: str, env:
                 restart_count=env.restart_count)
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+class Lifecycle(enum.Enum):
+    """Where a :class:`Runtime` is in its life; each state admits the calls its docstring names."""
+
+    BUILT = "built"
+    """Constructed and checked; nothing started (enter it with ``with``)."""
+    OPEN = "open"
+    """Entered: the process's guards run and this membership's :class:`~elastic_ddp.world.World` is formed;
+    ``restore()`` next."""
+    TRAINING = "training"
+    """Restored or started fresh: steps are agreed and checkpoints committed."""
+    FINISHED = "finished"
+    """The last checkpoint is committed (:meth:`Runtime.finish`)."""
+    CLOSED = "closed"
+    """Every part is stopped; the exit status is set when the ``with`` block ended."""
+
+
+class ProcessGuards:
+    """What lives as long as the process: stop requests (signal handlers), the spot notice poller, the hang
+    watchdog and the group watch. Built in one place (here), started at once, closed by :meth:`close`."""
+
+    def __init__(self, resilience: ResilienceConfig, events: EventLog, rank_log_file: str,
+                 grace: Callable[[], float], abandon: Callable[[str], None]) -> None:
+        self.stop = StopRequests()
+        if resilience.handle_signals:
+            self.stop.install_signal_handlers()
+        self.spot_poller: SpotNoticePoller | None = None
+        self.group_watch: GroupWatch | None = None
+        self.watchdog = _make_watchdog(resilience, events, rank_log_file)
+        try:
+            if resilience.spot_notice_url:
+                self.spot_poller = SpotNoticePoller(resilience.spot_notice_url, resilience.spot_poll_interval_s,
+                                                    self.stop).start()
+            self.watchdog.start()
+            if resilience.handle_signals:
+                self.group_watch = GroupWatch(self.watchdog, grace, abandon).start()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for part in (self.group_watch, self.watchdog, self.spot_poller):
+            if part is not None:
+                part.close()
+        self.stop.restore_signal_handlers()
+
+
+def _make_watchdog(resilience: ResilienceConfig, events: EventLog, log_file: str) -> Watchdog:
+    step = PhaseLimit(resilience.watchdog_timeout_s, ExitReason.HANG)
+    return Watchdog(
+        {
+            Phase.DATA: step,
+            Phase.STEP: step,
+            Phase.COLLECTIVE: step,
+            Phase.EVAL: step,
+            Phase.CHECKPOINT: PhaseLimit(resilience.watchdog_checkpoint_timeout_s, ExitReason.HANG),
+            Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, ExitReason.SAVE_DEADLINE),
+        },
+        log_file=log_file,
+        events=events,
+    )
 
 
 class Runtime:
     """Checkpoints, replicas, rescue, stop agreement, watchdog and exit status of one worker.
+
+    The composition root: ``with`` builds the process's guards (:class:`ProcessGuards`) and then this
+    membership's :class:`~elastic_ddp.world.World`, and closes the world before the guards on every path.
+    :attr:`lifecycle` says where it is (:class:`Lifecycle`).
 
     Args:
         state: what is saved and restored (model, optimizer, sampler, ... :class:`~elastic_ddp.state.TrainState`).
@@ -171,31 +232,24 @@ class Runtime:
         self.sample_ledger = sample_ledger
         self.collective_timeout_s = collective_timeout_s
         self.rank_log_file = rank_log_file
-        self.rank, self.world_size = _world()
-        self.env = LaunchEnv.from_env()
-        self.log0 = main_only(logger, self.rank)
+        self.lifecycle = Lifecycle.BUILT
+        self.guards: ProcessGuards | None = None
+        """The process's parts, while the runtime is entered."""
+        self.world: World | None = None
+        """This membership's parts, while the runtime is entered."""
         self.phase = StepPhase.BETWEEN
         """Where the training thread is in its step (a rescue needs a complete state; set by hooks)."""
         self.exit_status: int | None = None
         """The process exit status, once the ``with`` block is left."""
         self.stop_reason: ExitReason | None = None
         """Why the loop stopped early (an agreed stop), if it did."""
-        self.checkpoints: CheckpointManager | None = None
-        self.background: AsyncCheckpointer | None = None
-        self.replicas: Replicas | None = None
-        self.ledger: SampleLedger | None = None
-        """Rank 0's writer of the sample ledger, when it is asked for."""
         self._hooks: list[Any] = []
         self._rng_at_start = ""
-        self._restored = False
-        self._finished = False
         self._done_reported = False
         self._group_broken = False
         """A peer was lost mid-collective: :meth:`close` abandons the process group (abort where torch has it)."""
-        self._last_commit_step: int | None = None
         self._boundary: tuple[int, int] = (0, 0)
         """(step, samples the sampler committed) at the last step boundary: a step that consumed nothing is refused."""
-        self._last_commit_time = time.monotonic()
         self._last_boundary = time.perf_counter()
         self._typical_step_s = 0.0
         self._announce = False
@@ -232,9 +286,48 @@ class Runtime:
         runtime._announce = True
         return runtime
 
+    # -- the parts, while entered ----------------------------------------------------
+
+    def _open_world(self, call: str) -> World:
+        if self.world is None:
+            raise UsageError(f"runtime.{call}() outside the runtime: enter it first (with runtime: ...)")
+        return self.world
+
+    def _open_guards(self) -> ProcessGuards:
+        if self.guards is None:
+            raise UsageError("the runtime's parts are used outside the runtime: enter it first (with runtime: ...)")
+        return self.guards
+
+    @property
+    def rank(self) -> int:
+        return self._open_world("rank").rank
+
+    @property
+    def world_size(self) -> int:
+        return self._open_world("world_size").world_size
+
+    @property
+    def agreement(self) -> StopAgreement:
+        return self._open_world("agreement").agreement
+
+    @property
+    def agreement_group(self) -> dist.ProcessGroup | None:
+        """The CPU group of the stop agreement, replicas and the consistency check (training thread only)."""
+        return self._open_world("agreement_group").agreement_group
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self._open_guards().watchdog
+
+    @property
+    def stop(self) -> StopRequests:
+        return self._open_guards().stop
+
     # -- lifecycle ---------------------------------------------------------------
 
     def __enter__(self) -> Runtime:
+        if self.lifecycle is not Lifecycle.BUILT:
+            raise UsageError(f"the runtime is entered once (it is {self.lifecycle.value})")
         try:
             self._start()
         except BaseException:
@@ -244,71 +337,15 @@ class Runtime:
 
     def _start(self) -> None:
         if self._announce:
+            _, world_size = membership()
             backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
-            announce_process_group(self.events, self.world_size, backend, self.env)
-        self.control_group = cpu_group(self.world_size, self.collective_timeout_s, own=True)
-        """Checkpoint coordination: a background save's commit (its own thread) never interleaves with the
-        step's collectives, and object collectives work whatever the training backend is."""
-        self.agreement_group = cpu_group(self.world_size, self.collective_timeout_s, own=False)
-        """The stop agreement, replicas and the consistency check (training thread only), on the CPU."""
-        self.stop = StopRequests()
-        if self.resilience.handle_signals:
-            self.stop.install_signal_handlers()
-        self.spot_poller = (
-            SpotNoticePoller(self.resilience.spot_notice_url, self.resilience.spot_poll_interval_s, self.stop).start()
-            if self.resilience.spot_notice_url else None
-        )
-        self.watchdog = self._make_watchdog().start()
-        self.agreement = StopAgreement(
-            world_size=self.world_size, requests=self.stop, group=self.agreement_group,
-            interval_s=self.resilience.agreement_interval_s, watchdog=self.watchdog, events=self.events,
-        )
-        self.group_watch = (
-            GroupWatch(self.watchdog, self._abandon_grace, self._abandon).start() if self.resilience.handle_signals else None
-        )
-        self.checkpoints = self._make_checkpoint_manager()
-        if self.checkpoints is not None and self.checkpoint.async_save:
-            self.background = AsyncCheckpointer(self.checkpoints)
-        self.replicas = self._make_replicas()
-        if self.sample_ledger and self.rank == 0:
-            self.ledger = SampleLedger(self.events.log_dir)
+            announce_process_group(self.events, world_size, backend, LaunchEnv.from_env())
+        self.guards = ProcessGuards(self.resilience, self.events, self.rank_log_file, self._abandon_grace, self._abandon)
+        self.world = World(checkpoint=self.checkpoint, resilience=self.resilience,
+                           collective_timeout_s=self.collective_timeout_s, events=self.events,
+                           watchdog=self.guards.watchdog, stop=self.guards.stop, sample_ledger=self.sample_ledger)
         self._track_step_phase()
-
-    def _make_watchdog(self) -> Watchdog:
-        resilience = self.resilience
-        step = PhaseLimit(resilience.watchdog_timeout_s, ExitReason.HANG)
-        return Watchdog(
-            {
-                Phase.DATA: step,
-                Phase.STEP: step,
-                Phase.COLLECTIVE: step,
-                Phase.EVAL: step,
-                Phase.CHECKPOINT: PhaseLimit(resilience.watchdog_checkpoint_timeout_s, ExitReason.HANG),
-                Phase.EMERGENCY_SAVE: PhaseLimit(resilience.save_deadline_s, ExitReason.SAVE_DEADLINE),
-            },
-            log_file=self.rank_log_file,
-            events=self.events,
-        )
-
-    def _make_checkpoint_manager(self) -> CheckpointManager | None:
-        if not self.checkpoint.dir:
-            return None
-        return CheckpointManager(
-            self.checkpoint.dir, rank=self.rank, world_size=self.world_size, run_id=self.env.run_id,
-            generation=self.env.restart_count, keep=self.checkpoint.keep, storage_options=storage_options(self.checkpoint),
-            group=self.control_group, probe=True, events=self.events,
-        )
-
-    def _make_replicas(self) -> Replicas | None:
-        checkpoint, env = self.checkpoint, self.env
-        if self.checkpoints is None or not checkpoint.replica_every:
-            return None
-        return Replicas(
-            checkpoint.replica_dir or default_root(), run_id=env.run_id, checkpoint_uri=checkpoint.dir, rank=self.rank,
-            world_size=self.world_size, local_rank=env.local_rank, node_rank=env.group_rank,
-            token=self.checkpoints.token, every=checkpoint.replica_every, budget=checkpoint.replica_budget,
-            generation=env.restart_count, agent=agent_identity(), group=self.agreement_group, events=self.events,
-        )
+        self.lifecycle = Lifecycle.OPEN
 
     def _track_step_phase(self) -> None:
         """A training forward begins the step's forward phase, the optimizer's step its update phase; the
@@ -324,14 +361,18 @@ class Runtime:
         self._hooks = [self.state.model.register_forward_pre_hook(forward_begins),
                        self.state.optimizer.register_step_pre_hook(update_begins)]
 
+    def _trained(self) -> bool:
+        return self.lifecycle in (Lifecycle.TRAINING, Lifecycle.FINISHED)
+
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         try:
             if exc is None:
                 self.finish()
-                if self.stop_reason is None and self._restored and not self._done_reported:
+                if self.stop_reason is None and self._trained() and not self._done_reported:
                     self.report_done()
-                self.exit_status = log_exit(self.stop_reason or ExitReason.DONE, self.stop.reason or "", self.events)
-                leave_job(self.stop.reason)
+                stop = self._open_guards().stop
+                self.exit_status = log_exit(self.stop_reason or ExitReason.DONE, stop.reason or "", self.events)
+                leave_job(stop.reason)
                 return False
             if not isinstance(exc, Exception):
                 return False
@@ -342,8 +383,9 @@ class Runtime:
     def _ended_by(self, exc: Exception) -> bool:
         """Handle an error that left the ``with`` block: keep the live state when it is complete, log one line
         and set the exit status; False for an error that is not the runtime's (it propagates)."""
-        self.watchdog.enter(Phase.IDLE)
-        if self._restored:
+        guards = self._open_guards()
+        guards.watchdog.enter(Phase.IDLE)
+        if self._trained():
             self.rescue()
         reason = failure_reason(exc)
         detail = str(exc)
@@ -351,9 +393,10 @@ class Runtime:
             # gloo's text, when it says so, spares the wait for the agent's word (a fast path only: the rescue
             # above does not depend on it, and NCCL says nothing of the kind)
             fast = peer_loss(exc)
-            if fast or (self.group_watch is not None and self.group_watch.told(TOLD_WAIT_S)):
+            watch = guards.group_watch
+            if fast or (watch is not None and watch.told(TOLD_WAIT_S)):
                 reason = ExitReason.PEER_LOST
-                detail = fast or f"a collective failed and {self.group_watch.why if self.group_watch else ''}"
+                detail = fast or f"a collective failed and {watch.why if watch else ''}"
         if reason is None:
             exit_unhandled(self.events, exc)
             return False
@@ -363,30 +406,18 @@ class Runtime:
         return True
 
     def close(self) -> None:
-        """Finish the save in flight and stop every part; safe on every path (also after a failed start)."""
+        """Close this membership's world, then the process's guards; safe on every path (also after a failed start)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        watchdog = getattr(self, "watchdog", None)
-        if watchdog is not None:
-            watchdog.enter(Phase.CHECKPOINT)  # a save still in flight is waited for under that phase's limit
         try:
-            if self.background is not None:
-                self.background.close()
-            if self.replicas is not None:
-                self.replicas.close()
-            if self.checkpoints is not None:
-                self.checkpoints.wait_for_retention()
+            if self.world is not None:
+                self.world.close()
         finally:
-            for part in (getattr(self, "group_watch", None), watchdog, getattr(self, "spot_poller", None)):
-                if part is not None:
-                    part.close()
-            if getattr(self, "stop", None) is not None:
-                self.stop.restore_signal_handlers()
-            if self.ledger is not None:
-                self.ledger.close()
-                self.ledger = None
-            self.background = self.replicas = self.checkpoints = None
+            if self.guards is not None:
+                self.guards.close()
+            self.world = self.guards = None
+            self.lifecycle = Lifecycle.CLOSED
             if self._group_broken:  # last: the parts above may still speak on their own groups
                 abandon_group()
 
@@ -401,31 +432,10 @@ class Runtime:
             NoValidCheckpointError: checkpoints exist but none verifies (and fresh starts are not allowed).
             IncompatibleCheckpointError: the fingerprint or the model's parameters differ.
         """
+        world = self._open_world("restore")
         self.watchdog.enter(Phase.CHECKPOINT)
-        restored = None
-        if self.checkpoints is not None and self.checkpoint.resume:
-            restored = self.checkpoints.restore(self.state, allow_fresh_start=self.checkpoint.allow_fresh_start,
-                                                replicas=self.replicas)
-        else:
-            if self.checkpoints is not None:
-                self.checkpoints.refuse_if_committed()
-            self.events.emit(Event.STARTED_FRESH, world_size=self.world_size,
-                             reason="no-checkpoint-dir" if self.checkpoints is None else "resume-disabled")
-        if restored is None:
-            seed_rng_streams(derive_rng_seed(self.state.seed, 0, self.rank))
-            self.log0.info("starting fresh at step 0 (world size %d)", self.world_size)
-        else:
-            position = self.state.sampler.position
-            self.log0.info(
-                "resumed from %s%s: step %d, epoch %d, cursor %d (saved at world size %d, now %d%s)",
-                "the replica in " if restored.source == "replica" else "", restored.path, restored.step, position.epoch,
-                position.cursor, restored.world_size, self.world_size,
-                "" if restored.rank_state_reused else "; RNG streams re-derived",
-            )
-        step = self.state.counters.step
-        self._last_commit_step = step
-        self._last_commit_time = time.monotonic()
-        self._restored = True
+        step = world.restore(self.state)
+        self.lifecycle = Lifecycle.TRAINING
         self._boundary = (step, self.state.sampler.samples_seen)
         self.events.set_step(step)
         self.begin()
@@ -457,28 +467,25 @@ class Runtime:
         Raises:
             CheckpointError: a background save failed on some rank (every rank raises at this step).
         """
-        self._require_restored("after_step")
+        world = self._require_restored("after_step")
         self.phase = StepPhase.BETWEEN
         step = self.state.counters.step
         if self._check_data_moved(step):
-            self._record_samples(step)
+            world.record_samples(self.state, step)
         self.events.set_step(step)
         self._typical_step_s = step_time if not self._typical_step_s else 0.9 * self._typical_step_s + 0.1 * step_time
-        every_s = self.checkpoint.every_seconds
-        time_due = bool(every_s) and self.checkpoints is not None and time.monotonic() - self._last_commit_time >= every_s
-        failed = self.background is not None and self.background.failed()
-        decision = self.agreement.after_step(step, step_time, time_due, failed)
+        decision = world.agreement.after_step(step, step_time, world.save_due_by_time(), world.background_failed())
         if decision.save_failed:
-            self._raise_agreed_save_failure()
+            world.raise_agreed_save_failure()
         if decision.stop:
             self.stop_reason = decision.stop
         return decision
 
-    def _require_restored(self, call: str) -> None:
-        if not hasattr(self, "agreement"):
-            raise UsageError(f"runtime.{call}() outside the runtime: enter it first (with runtime: ...)")
-        if not self._restored:
+    def _require_restored(self, call: str) -> World:
+        world = self._open_world(call)
+        if not self._trained():
             raise UsageError(f"runtime.{call}() before runtime.restore(): restore (or start fresh) first, then train")
+        return world
 
     def _check_data_moved(self, step: int) -> bool:
         """Refuse a step that consumed no data: its checkpoint would record a position that a resume replays.
@@ -492,85 +499,31 @@ class Runtime:
         self._boundary = (step, samples)
         return step > last_step
 
-    def _record_samples(self, step: int) -> None:
-        """Rank 0: the step's line in the sample ledger, from the sampler's newest commit. Written at the boundary,
-        before the stop agreement and any save, so every step a checkpoint, replica or rescue holds has its line."""
-        sampler = self.state.sampler
-        plan = sampler.last_commit
-        if self.ledger is None or plan is None:
-            return
-        ids = torch.sort(sampler.global_ids(plan)).values.tolist()
-        self.ledger.record(step, plan.epoch, plan.start, plan.stop, self.world_size, ids)
-
-    def _raise_agreed_save_failure(self) -> None:
-        """Every rank, at the same step: raise the failed background save's error (waiting for this rank's
-        own outcome if it is still in flight)."""
-        assert self.background is not None
-        self.watchdog.enter(Phase.CHECKPOINT)
-        self.background.wait()  # raises the failure, which every rank's committer learned
-        raise CheckpointError(f"rank {self.rank}: a background checkpoint save failed on another rank")
-
     def save_if_due(self, save_due: bool = False) -> None:
         """Commit the checkpoint (every ``checkpoint.every`` steps, or agreed due by time) and the replica due now."""
-        step = self.state.counters.step
-        every = self.checkpoint.every
-        if self.checkpoints is not None and (save_due or (every and step % every == 0)):
-            self.save()
-        if self.replicas is not None and self.replicas.due(step):
-            self.watchdog.enter(Phase.COLLECTIVE)
-            self.replicas.save(self.state)
-        self.watchdog.enter(Phase.STEP)
+        self._open_world("save_if_due").save_if_due(self.state, save_due)
 
     def save(self, blocking: bool = False) -> None:
         """Commit a checkpoint of the current step: staged now and committed in the background unless ``blocking``."""
-        self._require_restored("save")
-        if self.checkpoints is None or self._last_commit_step == self.state.counters.step:
-            return
-        self.watchdog.enter(Phase.CHECKPOINT)
-        step = self.state.counters.step
-        if self.background is not None and not blocking:
-            blocked = self.background.save(self.state)
-            self.log0.info("checkpoint of step %d captured in %.3f s; parameters and optimizer state are copied during "
-                           "the next step, then committed in the background", step, blocked)
-        else:
-            started = time.perf_counter()
-            if self.background is not None:
-                self.background.wait()
-            self.checkpoints.save(self.state)
-            self.log0.info("checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
-        self._last_commit_step = step
-        self._last_commit_time = time.monotonic()
+        self._require_restored("save").save(self.state, blocking)
 
     # -- the end -------------------------------------------------------------------
 
     def finish(self) -> None:
         """Commit the last checkpoint: after an agreed stop within the save deadline, else the final one
         (``checkpoint.save_final``); then nothing resumes from node memory. Once; the ``with`` block's end calls it."""
-        if self._finished or not self._restored:  # nothing trained: nothing to commit
+        if self.lifecycle is not Lifecycle.TRAINING:  # nothing trained, or finished already: nothing to commit
             return
-        self._finished = True
-        self.agreement.settle()
-        step = self.state.counters.step
+        world = self._open_world("finish")
+        self.lifecycle = Lifecycle.FINISHED
+        world.agreement.settle()
         if self.stop_reason is not None:
-            self.log0.warning("stop agreed at step %d (%s%s)", step, self.stop_reason.value,
-                              f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
-            if self.checkpoints is not None:
-                self.watchdog.enter(Phase.EMERGENCY_SAVE)
-                started = time.perf_counter()
-                if self.background is not None:
-                    self.background.wait()
-                if self._last_commit_step != step:
-                    self.checkpoints.save(self.state)
-                    self._last_commit_step = step
-                self.log0.info("emergency checkpoint of step %d committed in %.2f s", step, time.perf_counter() - started)
-        elif self.checkpoints is not None:
-            self.watchdog.enter(Phase.CHECKPOINT)
-            if self.background is not None:
-                self.background.wait()
-            if self.checkpoint.save_final:
-                self.save(blocking=True)
-                if self.replicas is not None:
-                    self.replicas.discard()  # the final state is committed: nothing will resume from node memory
+            main_only(logger, world.rank).warning(
+                "stop agreed at step %d (%s%s)", self.state.counters.step, self.stop_reason.value,
+                f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")
+            world.save_emergency(self.state)
+        else:
+            world.save_final(self.state)
         self.watchdog.enter(Phase.IDLE)
 
     def report_done(self, loss: float | None = None, accuracy: float | None = None,
@@ -586,7 +539,8 @@ class Runtime:
     def rescue(self) -> None:
         """Keep this rank's live state in node memory for the restart, when it is a complete state of its step
         (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
-        if self.replicas is None:
+        world = self.world
+        if world is None or world.replicas is None:
             return
         step = self.state.counters.step
         device = next((p.device for p in self.state.model.parameters()), torch.device("cpu"))
@@ -598,17 +552,17 @@ class Runtime:
             device_busy=device.type == "cuda" and not torch.cuda.current_stream(device).query(),
         ))
         if reason is not None:
-            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.rank, step, reason)
+            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", world.rank, step, reason)
             return
         self.watchdog.enter(Phase.EMERGENCY_SAVE)
         started = time.perf_counter()
         try:
-            path = self.replicas.rescue(self.state)
+            path = world.replicas.rescue(self.state)
         except (OSError, RuntimeError, ValueError) as exc:
-            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", self.rank, step, exc)
+            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", world.rank, step, exc)
             return
         if path is not None:
-            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", self.rank, step, path,
+            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", world.rank, step, path,
                         time.perf_counter() - started)
 
     def _abandon_grace(self) -> float:
