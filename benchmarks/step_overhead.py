@@ -377,7 +377,7 @@ def lm_library_loop(config, context, model, data, steps: int, gc_every: int = 0)
                                                            agreement_interval_s=resilience.agreement_interval_s,
                                                            handle_signals=resilience.handle_signals),
                                collective_timeout_s=config.dist.collective_timeout_s).__enter__()
-    runtime.begin()
+    runtime.restore()  # no checkpoint directory: starts fresh (and marks the start of training)
     started, cpu_started = time.perf_counter(), time.process_time()
     collection = StepCollection(gc_every).start()
     batches = iter(loader)
