@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      epilog=(__doc__ or "").split("\n\n", 1)[1])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    for stopping in _STOPPING:
+    for stopping in (*_STOPPING, signal.SIGINT):  # SIGINT too: a shell's background job inherits it ignored
         signal.signal(stopping, _interrupt)
     try:
         return launch(args)
