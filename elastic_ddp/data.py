@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +164,9 @@ class ElasticSampler:
         """The step the newest iterator is handing to the loader (every micro-batch of this rank before it has
         gone), which may load steps ahead of the committed position (its workers' prefetch). None: no iterator
         yet."""
+        self.on_plan: Callable[[], None] | None = None
+        """Called by :meth:`plan` of the committed position, where both doors start a step (the runtime keys the
+        RNG streams there); never by the iterator or a prefetcher, which plan steps ahead."""
         self.last_commit: StepPlan | None = None
         """The plan of the newest :meth:`commit` of this process (None before the first): the runtime's sample
         ledger records it at the step boundary."""
@@ -199,7 +202,10 @@ class ElasticSampler:
     # -- planning --------------------------------------------------------------
 
     def plan(self, position: DataPosition | None = None) -> StepPlan:
-        """The step that starts at ``position`` (default: the committed position)."""
+        """The step that starts at ``position`` (default: the committed position: the next step to train, whose
+        start this marks; see :attr:`on_plan`)."""
+        if position is None and self.on_plan is not None:
+            self.on_plan()
         return plan_step(position or self.position, self.dataset_len, self.global_batch_size, self.drop_last)
 
     def commit(self, plan: StepPlan) -> None:

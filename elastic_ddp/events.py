@@ -69,6 +69,7 @@ class Event(str, enum.Enum):
     STOP_AGREED = "stop_agreed"
     WATCHDOG_FIRED = "watchdog_fired"
     LR_HORIZON_CHANGED = "lr_horizon_changed"
+    RESCUE_RULED_OUT = "rescue_ruled_out"
     DONE = "done"
     EXIT = "exit"
 
@@ -88,6 +89,7 @@ FIELDS: Mapping[Event, tuple[str, ...]] = {
     Event.STOP_AGREED: ("step", "reason", "source"),
     Event.WATCHDOG_FIRED: ("phase", "reason", "stuck_s", "limit_s"),
     Event.LR_HORIZON_CHANGED: ("step", "saved", "now"),
+    Event.RESCUE_RULED_OUT: ("reason", "fix"),
     Event.DONE: ("step", "epoch", "model_digest", "data_digest"),
     Event.EXIT: ("reason", "status"),
 }
@@ -136,6 +138,9 @@ WRITTEN: Mapping[Event, tuple[str, str]] = {
         "the rank whose watchdog expired, before it exits",
         "`phase`, `reason` (`hang:<phase>`, `save-deadline`), `stuck_s`, `limit_s`"),
     Event.LR_HORIZON_CHANGED: ("rank 0, on a resume that moves the LR schedule's horizon", "`step`, `saved`, `now`"),
+    Event.RESCUE_RULED_OUT: (
+        "rank 0, before the first step, when the run's own objects rule out every rescue (replicas on)",
+        "`reason` (a sharded optimizer, per-rank state), `fix` (what the script can change)"),
     Event.DONE: (
         "every rank, when training ended normally",
         "`step`, `epoch`, `model_digest`, `data_digest`, `loss`, `accuracy` and `metrics` (the final evaluation, "

@@ -52,10 +52,10 @@ from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, tell_the_agent, write_error_file
 from elastic_ddp.resilience.group import GroupWatch
-from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
-from elastic_ddp.state import Stateful, TrainState, model_digest, rng_digest
+from elastic_ddp.state import Stateful, TrainState, model_digest
 from elastic_ddp.world import World, membership
 
 logger = logging.getLogger(__name__)
@@ -244,7 +244,6 @@ class Runtime:
         self.stop_reason: ExitReason | None = None
         """Why the loop stopped early (an agreed stop), if it did."""
         self._hooks: list[Any] = []
-        self._rng_at_start = ""
         self._done_reported = False
         self._group_broken = False
         """A peer was lost mid-collective: :meth:`close` abandons the process group (abort where torch has it)."""
@@ -276,8 +275,8 @@ class Runtime:
         """The runtime of a hand-written loop (the library path): call on every rank after the process group
         is formed, and enter it with ``with``. ``model``: the module itself, not its DDP wrapper.
         ``fingerprint``: values a checkpoint must match to be resumed (model shape, data settings...), JSON.
-        ``seed``: RNG streams are derived from it when a resume changes the world size. ``state``: other
-        ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0 appends each committed
+        ``seed``: every step's RNG streams are keyed by it, the step and the rank (at ``sampler.plan()``).
+        ``state``: other ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0 appends each committed
         step's sample ids to ``samples.jsonl`` in ``events``' log directory (docs/design.md, "Data cursor")."""
         train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
                                  extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
@@ -442,9 +441,8 @@ class Runtime:
         return step
 
     def begin(self) -> None:
-        """Mark the start of training (after the script built what draws on the RNG, such as a DataLoader's
-        workers): the rescue needs the RNG streams unmoved since here."""
-        self._rng_at_start = rng_digest()
+        """Mark the start of training (the trainer, after its loader forked its workers): the first step's time
+        counts from here."""
         self._last_boundary = time.perf_counter()
         self.watchdog.enter(Phase.STEP)
 
@@ -540,30 +538,15 @@ class Runtime:
         """Keep this rank's live state in node memory for the restart, when it is a complete state of its step
         (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
         world = self.world
-        if world is None or world.replicas is None:
+        if world is None:
             return
-        step = self.state.counters.step
         device = next((p.device for p in self.state.model.parameters()), torch.device("cpu"))
-        reason = why_not_kept(LiveState(
+        world.rescue(self.state, LiveState(
             phase=self.phase,
             forward_changes_state=has_persistent_buffers(self.state.model) or bool(self.state.extra),
             sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
-            rng_used=self._rng_at_start != rng_digest(),
             device_busy=device.type == "cuda" and not torch.cuda.current_stream(device).query(),
         ))
-        if reason is not None:
-            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", world.rank, step, reason)
-            return
-        self.watchdog.enter(Phase.EMERGENCY_SAVE)
-        started = time.perf_counter()
-        try:
-            path = world.replicas.rescue(self.state)
-        except (OSError, RuntimeError, ValueError) as exc:
-            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", world.rank, step, exc)
-            return
-        if path is not None:
-            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", world.rank, step, path,
-                        time.perf_counter() - started)
 
     def _abandon_grace(self) -> float:
         return max(ABANDON_GRACE_S, 3 * self._typical_step_s)

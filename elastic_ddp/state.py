@@ -11,11 +11,15 @@ The state has three parts, matching who writes them:
   fingerprint and the LR schedule's horizon. Small, JSON, identical everywhere; it goes into
   the checkpoint's manifest.
 
-RNG rule on a world-size change: a rank's saved RNG streams belong to that rank of that
-world size. When the world size differs on resume they are not reused; every rank derives
-fresh streams from ``(seed, step, rank)``, so the run stays deterministic for the new
-world size (per-rank ``Stateful`` objects start fresh too). The data order never depends on
-these streams (it is a function of ``(seed, epoch)``), so the data contract holds either way.
+RNG rule: a rank's RNG streams are keyed by step. When a step is planned (the committed
+position's ``ElasticSampler.plan()``, where both doors start a step) the runtime sets them to
+:func:`key_rng_streams` of ``(seed, step, rank)``, so what a step draws (dropout, random
+augmentation in the training process) does not depend on how the run got there: a resume from
+a checkpoint, a replica or a survivor's rescue, at any world size, draws what an uninterrupted
+run of that world size drew. The saved streams are still restored at the same world size (a
+script may draw before its first plan); per-rank ``Stateful`` objects start fresh on a
+world-size change. The data order never depends on these streams (it is a function of
+``(seed, epoch)``), so the data contract holds either way.
 Sharded optimizer state is tied to its partition: it is restored per rank at the same world
 size, and a resume onto another world size is refused with an error saying so.
 """
@@ -41,14 +45,27 @@ _RNG_RANK_STRIDE = 1_000_003
 
 
 def derive_rng_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of a rank's RNG streams after a resume onto a different world size."""
-    return (seed * _RNG_RANK_STRIDE + step) * _RNG_STEP_STRIDE + rank
+    """The seed of rank ``rank``'s RNG streams for the step after ``step`` (:func:`key_rng_streams`), in the
+    range torch's generators take."""
+    return ((seed * _RNG_RANK_STRIDE + step) * _RNG_STEP_STRIDE + rank) % (1 << 64)
 
 
 def seed_rng_streams(seed: int) -> None:
-    """Seed torch (CPU and CUDA) and Python's ``random`` from one integer."""
+    """Seed torch (CPU and CUDA, also a CUDA not yet initialised) and Python's ``random`` from one integer."""
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+def key_rng_streams(seed: int, step: int, rank: int) -> None:
+    """Set this rank's RNG streams (torch's CPU and CUDA generators, Python's ``random``) to those of the step
+    after ``step``: a function of (seed, step, rank) alone, so a resume at any step from any state draws what an
+    uninterrupted run drew (docs/design.md, "Resume"). Cheap enough for every step: unlike ``torch.manual_seed``
+    it queues no call for a CUDA that is not initialised (each such call keeps a stack trace)."""
+    value = derive_rng_seed(seed, step, rank)
+    torch.default_generator.manual_seed(value)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(value)
+    random.seed(value)
 
 
 @runtime_checkable
@@ -285,15 +302,6 @@ def rng_streams() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["torch_cuda"] = torch.cuda.get_rng_state()
     return rng
-
-
-def rng_digest() -> str:
-    """A digest of :func:`rng_streams`: it changes when any of them draws."""
-    hasher = hashlib.sha256()
-    for name, stream in sorted(rng_streams().items()):
-        hasher.update(name.encode())
-        hasher.update(stream.numpy().tobytes() if isinstance(stream, torch.Tensor) else repr(stream).encode())
-    return hasher.hexdigest()
 
 
 def _set_rng(rng: dict[str, Any]) -> None:

@@ -19,15 +19,17 @@ from elastic_ddp.checkpoint import CheckpointManager
 from elastic_ddp.checkpoint.async_save import AsyncCheckpointer
 from elastic_ddp.checkpoint.replica import Replicas, default_root
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig, storage_options
+from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import LaunchEnv, cpu_group
 from elastic_ddp.errors import CheckpointError
 from elastic_ddp.events import Event, EventLog, SampleLedger
 from elastic_ddp.logs import main_only
 from elastic_ddp.prefork import agent_identity
 from elastic_ddp.resilience.agreement import StopAgreement
+from elastic_ddp.resilience.rescue import LiveState, ruled_out, why_not_kept
 from elastic_ddp.resilience.stop import StopRequests
 from elastic_ddp.resilience.watchdog import Phase, Watchdog
-from elastic_ddp.state import TrainState, derive_rng_seed, seed_rng_streams
+from elastic_ddp.state import TrainState, derive_rng_seed, key_rng_streams, seed_rng_streams
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class World:
         self.replicas: Replicas | None = None
         self.ledger: SampleLedger | None = None
         """Rank 0's writer of the sample ledger, when it is asked for."""
+        self.keyed: ElasticSampler | None = None
+        """The sampler whose plans key the RNG streams to this membership's rank (from the restore on)."""
         self.checkpoints: CheckpointManager | None = None
         self.last_commit_step: int | None = None
         self.last_commit_time = time.monotonic()
@@ -121,6 +125,8 @@ class World:
             if self.checkpoints is not None:
                 self.checkpoints.wait_for_retention()
         finally:
+            if self.keyed is not None:
+                self.keyed.on_plan = None
             if self.ledger is not None:
                 self.ledger.close()
             self.background = self.replicas = self.checkpoints = self.ledger = None
@@ -152,7 +158,44 @@ class World:
         step = state.counters.step
         self.last_commit_step = step
         self.last_commit_time = time.monotonic()
+        state.sampler.on_plan = lambda: key_rng_streams(state.seed, state.counters.step, self.rank)
+        self.keyed = state.sampler
+        self._say_if_rescue_ruled_out(state)
         return step
+
+    def _say_if_rescue_ruled_out(self, state: TrainState) -> None:
+        """Rank 0, before the first step: what rules out every rescue of this run, with the fix, rather than
+        only when a peer is lost."""
+        if self.replicas is None or self.rank != 0:
+            return
+        never = ruled_out(sharded_optimizer=state.sharded_optimizer, rank_objects=bool(state.rank_extra))
+        if never is not None:
+            logger.warning("rank 0: a survivor of a peer's loss cannot keep its state for the restart in this run: %s; "
+                           "%s", never.reason, never.fix)
+            self.events.emit(Event.RESCUE_RULED_OUT, reason=never.reason, fix=never.fix)
+
+    # -- a lost peer -----------------------------------------------------------------
+
+    def rescue(self, state: TrainState, live: LiveState) -> None:
+        """Keep this rank's live state in node memory for the restart, when it is a complete state of its step
+        (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
+        if self.replicas is None:
+            return
+        step = state.counters.step
+        reason = why_not_kept(live)
+        if reason is not None:
+            logger.warning("rank %d: the state of step %d is not kept for the restart: %s", self.rank, step, reason)
+            return
+        self.watchdog.enter(Phase.EMERGENCY_SAVE)
+        started = time.perf_counter()
+        try:
+            path = self.replicas.rescue(state)
+        except (OSError, RuntimeError, ValueError) as exc:
+            logger.warning("rank %d: keeping the state of step %d for the restart failed: %s", self.rank, step, exc)
+            return
+        if path is not None:
+            logger.info("rank %d: kept the state of step %d in %s for the restart (%.3f s)", self.rank, step, path,
+                        time.perf_counter() - started)
 
     # -- the step boundary -----------------------------------------------------------
 

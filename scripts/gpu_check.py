@@ -130,7 +130,7 @@ def rescue_rule(checks: Checks) -> None:
 
     def live(busy: bool) -> LiveState:
         return LiveState(phase=StepPhase.BETWEEN, forward_changes_state=False, sharded_optimizer=False,
-                         rank_objects=False, rng_used=False, device_busy=busy)
+                         rank_objects=False, device_busy=busy)
 
     big = torch.randn(8192, 8192, device=device)
     for _ in range(50):  # seconds of queued work: the stream is still busy when queried

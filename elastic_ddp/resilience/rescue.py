@@ -4,7 +4,8 @@ When a peer dies, the survivors' collective fails and they exit so that torchrun
 group. Under DDP their model and optimizer are the whole job's, at the last step every rank
 finished, so keeping them in node memory (:meth:`elastic_ddp.checkpoint.replica.Replicas.rescue`)
 makes the restart redo at most the interrupted step. That holds only when the live state *is* a
-complete state of one step; :func:`why_not_kept` says when it is not.
+complete state of one step; :func:`why_not_kept` says when it is not, and :func:`ruled_out` what
+makes that so at every step (the runtime says it at the run's first step).
 """
 
 from __future__ import annotations
@@ -39,9 +40,6 @@ class LiveState:
     """Each rank holds only its shard of the optimizer state: the lost ranks' shards are gone."""
     rank_objects: bool
     """The script's per-rank objects: the lost ranks' are gone, and a resume re-derives rather than reloads them."""
-    rng_used: bool
-    """This rank's RNG streams moved since the launch began (dropout, random augmentation): a resume that
-    re-derives them would not repeat the run."""
     device_busy: bool = False
     """The accelerator still has queued work: a collective there may be waiting for the lost peer, and copying
     the state off the device would wait behind it."""
@@ -60,12 +58,31 @@ def why_not_kept(live: LiveState) -> str | None:
         return "a peer was lost during the optimizer step"
     if live.phase is StepPhase.FORWARD and live.forward_changes_state:
         return "a peer was lost in a forward pass, which may have changed buffers or the script's objects"
-    if live.sharded_optimizer:
-        return "the optimizer state is sharded over the ranks"
-    if live.rank_objects:
-        return "the script keeps per-rank state"
-    if live.rng_used:
-        return "the run draws random numbers, whose streams a resume would re-derive"
+    never = ruled_out(sharded_optimizer=live.sharded_optimizer, rank_objects=live.rank_objects)
+    if never is not None:
+        return never.reason
     if live.device_busy:
         return "the device still has work queued, which may wait for the lost peer"
+    return None
+
+
+@dataclass(frozen=True)
+class RuledOut:
+    """Why no state of a run can ever be kept, and what the script can change (known at its first step)."""
+
+    reason: str
+    fix: str
+
+
+def ruled_out(*, sharded_optimizer: bool, rank_objects: bool) -> RuledOut | None:
+    """What rules out every rescue of a run, whatever step a peer is lost at; None: nothing does. The RNG
+    streams do not: they are keyed by step (:func:`elastic_ddp.state.key_rng_streams`), so a resume that
+    re-derives them draws what the run drew."""
+    if sharded_optimizer:
+        return RuledOut("the optimizer state is sharded over the ranks, and a lost rank's shard is gone",
+                        "a restart resumes from the newest replica (every rank's shard): keep "
+                        "--checkpoint-replica-every small, or use an unsharded optimizer")
+    if rank_objects:
+        return RuledOut("the script keeps per-rank state (Built.rank_state), and a lost rank's is gone",
+                        "hand replicated objects as Built.state, or derive the per-rank ones from the rank and step")
     return None

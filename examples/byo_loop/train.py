@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = Spirals(config.num_samples, config.seed)
     sampler = ElasticSampler(len(dataset), global_batch_size=config.batch_size, seed=config.seed, rank=rank,
                              world_size=world_size, grad_accum_steps=config.grad_accum_steps)
-    # its own generator: creating the iterator after the resume leaves the model's RNG streams as restored
+    # its own generator: the workers' seeds do not depend on what the global RNG drew before
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers,
                         generator=torch.Generator().manual_seed(config.seed))
     events = open_events(config.log_dir)

@@ -107,22 +107,22 @@ def test_prefork_workers_restart_from_the_fork_server_and_end_with_bitwise_equal
     assert done_event(tmp_path / "logs")["model_digest"] == reference_400["model_digest"]
 
 
-@pytest.mark.slow  # CI time; the rescue's refusal is unit-tested (test_rescue.py) and replica resumes run in CI
-def test_a_run_that_draws_random_numbers_keeps_no_rescue_and_resumes_bitwise_from_a_replica(
+@pytest.mark.slow  # CI time; keyed streams' bitwise resume is unit-tested (test_rng_keyed.py), rescues restart in CI
+def test_a_run_with_dropout_restarts_from_the_survivor_s_rescue_and_ends_bitwise_equal_to_an_uninterrupted_run(
     etcd_server: EtcdServer, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """With dropout the RNG streams are part of the run: the survivor of a kill does not keep its live state
-    (a resume from it would re-derive the streams), and the restart resumes from the newest replica or
-    checkpoint, which holds every rank's streams, so the weights still equal an uninterrupted run's bit for bit."""
+    """Dropout draws at every step. The RNG streams are keyed by step, so the survivor of a kill keeps its live
+    state, the restart resumes from it (the lost rank's streams re-derived, as every rank's are at each step),
+    and the weights still equal an uninterrupted run's bit for bit."""
     dropout = ("--model-dropout", "0.1")
     logs = tmp_path_factory.mktemp("reference-dropout")
     train_ok(["--max-steps", "200", "--log-progress", "off", "--log-dir", str(logs), *dropout], nproc=NODES)
     _, output = run_with_kills(etcd_server, tmp_path, kills=1, steps=200, seed=7, extra=dropout)
-    saved = events(tmp_path / "logs", "replica_saved")
-    assert saved and not [event for event in saved if event["reason"] == "rescue"]
-    assert "not kept for the restart: the run draws random numbers" in output
+    rescues = [event for event in events(tmp_path / "logs", "replica_saved") if event["reason"] == "rescue"]
+    assert rescues, output[-3000:]
     (resumed,) = [event for event in events(tmp_path / "logs", "resumed") if event["rank"] == 0]
-    assert resumed["rank_state_reused"], resumed  # the newest replica, or a checkpoint committed after it
+    assert resumed["source"] == "replica" and resumed["step"] == max(event["step"] for event in rescues), resumed
+    assert not resumed["rank_state_reused"], resumed  # the rescue holds no rank's streams: each re-derived its own
     assert done_event(tmp_path / "logs")["model_digest"] == done_event(logs)["model_digest"]
 
 
