@@ -18,8 +18,9 @@ gives the plain loop the same schedule, to see what the trainer costs apart from
 
 It also isolates the two per-step costs of the resilience layer (both are inside the trainer's
 figure already): the stop-flag agreement (one all-reduce of three int32 every step, or every few
-steps when steps are shorter than --resilience-agreement-interval-s) and the
-watchdog's phase marks (five per step), each as a fraction of the plain loop's step.
+steps when steps are shorter than --resilience-agreement-interval-s), the
+watchdog's phase marks (five per step) and the RNG streams keyed to each step, each as a fraction of
+the plain loop's step.
 
 ``--model lm`` times three loops over the byte-level GPT of examples/lm (its GPTConfig, corpus
 windows, AdamW param groups, warmup + cosine schedule, autocast and clipping; LM_ARGS below, a
@@ -46,6 +47,7 @@ import gc
 import importlib.util
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -158,12 +160,14 @@ class CollectorTime:
             self.seconds[self.loop] += time.perf_counter() - self._started
 
 
-def resilience_costs(context, repeats: int = 2000) -> tuple[float, float]:
-    """Seconds per step of the stop-flag all-reduce and of the watchdog's five phase marks."""
+def resilience_costs(context, repeats: int = 2000) -> tuple[float, float, float]:
+    """Seconds per step of the stop-flag all-reduce, of the watchdog's five phase marks and of keying the RNG
+    streams to the step (at the step's plan)."""
     import torch
     import torch.distributed as dist
 
     from elastic_ddp.resilience.watchdog import PhaseLimit, Watchdog
+    from elastic_ddp.state import key_rng_streams
 
     flags = torch.zeros(3, dtype=torch.int32)
     dist.barrier()
@@ -180,7 +184,14 @@ def resilience_costs(context, repeats: int = 2000) -> tuple[float, float]:
             watchdog.enter(phase)
     marks = (time.perf_counter() - started) / repeats
     watchdog.close()
-    return agreement, marks
+    state = (torch.get_rng_state(), random.getstate())
+    started = time.perf_counter()
+    for step in range(repeats):
+        key_rng_streams(0, step, context.rank)
+    keying = (time.perf_counter() - started) / repeats
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    return agreement, marks, keying
 
 
 def ratio_summary(numerators: list[float], denominators: list[float]) -> str:
@@ -191,7 +202,7 @@ def ratio_summary(numerators: list[float], denominators: list[float]) -> str:
             f"{statistics.median(numerators) / statistics.median(denominators):.3f} of the medians")
 
 
-def print_resilience_costs(config, context, plain_step: float, agreement: float, marks: float) -> None:
+def print_resilience_costs(config, context, plain_step: float, agreement: float, marks: float, keying: float) -> None:
     from elastic_ddp.resilience.agreement import agreement_interval
 
     p = plain_step
@@ -204,7 +215,8 @@ def print_resilience_costs(config, context, plain_step: float, agreement: float,
         print(f"stop-flag agreement: {1e6 * agreement:.0f} us each, one every {every} step(s) at this step time: "
               f"{1e6 * per_step:.0f} us/step = {100 * per_step / p:.2f}% of a plain step")
     print(f"watchdog phase marks: {1e6 * marks:.1f} us/step = {100 * marks / p:.3f}% of a plain step")
-    print(f"together: {100 * (per_step + marks) / p:.2f}%   (target <= 1%)")
+    print(f"RNG streams keyed to the step: {1e6 * keying:.1f} us/step = {100 * keying / p:.3f}% of a plain step")
+    print(f"together: {100 * (per_step + marks + keying) / p:.2f}%   (target <= 1%)")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -247,7 +259,7 @@ def worker(args: argparse.Namespace) -> None:
                 cpu["trainer"].append(c_ours / args.steps)
                 if summary:
                     wait_share.append(summary["data_wait_s"] / summary["step_time_s"])
-        agreement, marks = resilience_costs(context)
+        agreement, marks, keying = resilience_costs(context)
         if context.is_main:
             p, o = statistics.median(plain), statistics.median(ours)
             print(f"rounds={args.rounds} steps/round={args.steps} ranks={context.world_size} backend={context.backend}")
@@ -263,7 +275,7 @@ def worker(args: argparse.Namespace) -> None:
                   f"({plain_schedule}), elastic_ddp "
                   f"{1e3 * collector.seconds['trainer'] / total_steps:.2f} ms (every {config.gc_every} steps)")
             print(f"trainer data-wait share of step time: median {100 * statistics.median(wait_share):.2f}%   (target < 5%)")
-            print_resilience_costs(config, context, p, agreement, marks)
+            print_resilience_costs(config, context, p, agreement, marks, keying)
 
 
 # -- --model lm: examples/lm's GPT, three loops ---------------------------------------------------
@@ -459,7 +471,7 @@ def lm_worker(args: argparse.Namespace) -> None:
                     cpu[name].append(cpu_s / args.steps)
                 if summary:
                     wait_share.append(summary["data_wait_s"] / summary["step_time_s"])
-        agreement, marks = resilience_costs(context)
+        agreement, marks, keying = resilience_costs(context)
         if context.is_main:
             shape = config.model
             tokens = config.global_batch_size * shape.context
@@ -494,7 +506,7 @@ def lm_worker(args: argparse.Namespace) -> None:
                   f"library {gc_ms['library']:.2f} ms ({plain_schedule}), elastic_ddp "
                   f"{gc_ms['trainer']:.2f} ms (every {config.gc_every} steps)")
             print(f"trainer data-wait share of step time: median {100 * statistics.median(wait_share):.2f}%   (target < 5%)")
-            print_resilience_costs(config, context, medians["plain"], agreement, marks)
+            print_resilience_costs(config, context, medians["plain"], agreement, marks, keying)
 
 
 def main() -> None:

@@ -262,6 +262,42 @@ def abandon_group(timeout_s: float = ABANDON_TIMEOUT_S) -> str:
     return how
 
 
+@dataclass(frozen=True)
+class Reformed:
+    """What :func:`reform_group` did, and how long each half took."""
+
+    abandoned: str
+    """How the old group was let go (:func:`abandon_group`'s answer)."""
+    abandon_s: float
+    form_s: float
+    """Forming the new group, up to and including its first collective (every member took part)."""
+
+
+def reform_group(store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
+                 device: torch.device, timeout_s: float) -> Reformed:
+    """Give up the default process group and form a new one in this process, keeping everything else the
+    process holds (the interpreter, the CUDA context, the model and optimizer on their device).
+
+    ``rank`` and ``world_size`` are this process's place in the new membership, agreed beforehand; every member
+    calls this with the same ``generation``, whose keys in ``store`` (under ``elastic_ddp/membership-<n>/``) no
+    earlier group used. Raises :class:`DistributedInitError` when the members do not meet within ``timeout_s``."""
+    started = time.perf_counter()
+    abandoned = abandon_group()
+    if abandoned == "stuck":
+        raise DistributedInitError(f"rank {rank}: the broken process group was not let go; a new one cannot be formed")
+    formed = time.perf_counter()
+    prefixed = dist.PrefixStore(f"elastic_ddp/membership-{generation}/", store)
+    try:
+        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+        dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise DistributedInitError(f"rank {rank}/{world_size}: could not form the {backend} group of membership "
+                                   f"{generation} within {timeout_s:g} s: {_first_line(exc)}") from exc
+    done = time.perf_counter()
+    return Reformed(abandoned=abandoned, abandon_s=formed - started, form_s=done - formed)
+
+
 @contextmanager
 def distributed(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[DistContext]:
     """Form the process group for the duration of a ``with`` block and always tear it down."""

@@ -11,7 +11,10 @@ Checks, each printed PASS or FAIL with what was compared:
 3. the newest checkpoint, saved in the background from device memory, holds the model the run ended with;
 4. the rescue's rule for a GPU: a state with work still queued on the device's stream is not kept,
    the same state once the stream is idle is;
-5. torchrun's elastic agent with the etcd-v3 rendezvous on a real etcd: the worker crashes at step 25, the
+5. in-process re-formation: one NCCL rank abandons its group (abort where torch has it) and forms a new one
+   (``elastic_ddp.distributed.reform_group``) with the CUDA context, the model and the optimizer state on the
+   device kept; the two halves timed;
+6. torchrun's elastic agent with the etcd-v3 rendezvous on a real etcd: the worker crashes at step 25, the
    agent restarts it, the NCCL group forms again, and the run ends with the straight run's digests
    (skipped when no etcd binary is found).
 
@@ -143,6 +146,45 @@ def rescue_rule(checks: Checks) -> None:
                  busy and refused is not None and kept is None, f"busy={busy}, refused={refused!r}, then kept={kept is None}")
 
 
+def reform_in_process(checks: Checks) -> None:
+    """One NCCL rank gives up its group and forms a new one in the same process: the CUDA context, the model on
+    the device and its optimizer state stay; timed (abandon, then form up to the first barrier)."""
+    import torch.distributed as dist
+
+    from elastic_ddp.distributed import reform_group
+    from elastic_ddp.errors import DistributedInitError
+
+    device = torch.device("cuda", 0)
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=dist.PrefixStore("elastic_ddp/membership-0/", store), rank=0, world_size=1,
+                            device_id=device)
+    model = torch.nn.Linear(1024, 1024, device=device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(64, 1024, device=device)).sum().backward()
+    optimizer.step()
+    grads = torch.ones(1024, device=device)
+    dist.all_reduce(grads)
+    torch.cuda.synchronize(device)
+    pointers = [parameter.data_ptr() for parameter in model.parameters()]
+    digest = [parameter.detach().clone() for parameter in model.parameters()]
+    try:
+        reformed = reform_group(store, rank=0, world_size=1, generation=1, backend="nccl", device=device, timeout_s=60)
+        dist.all_reduce(grads)
+        torch.cuda.synchronize(device)
+        same = pointers == [parameter.data_ptr() for parameter in model.parameters()] and all(
+            torch.equal(old, parameter) for old, parameter in zip(digest, model.parameters(), strict=True))
+        optimizer.step()  # its state on the device is still usable
+        ok = same and dist.get_backend() == "nccl" and float(grads[0]) == 1.0
+        checks.check("NCCL group abandoned and formed again in-process, CUDA context and model on the device kept",
+                     ok, f"{reformed.abandoned} {reformed.abandon_s:.3f} s + form {reformed.form_s:.3f} s, "
+                     f"parameters kept={same}, backend {dist.get_backend()}")
+    except (DistributedInitError, RuntimeError, ValueError, OSError) as exc:  # print why, run the other checks
+        checks.check("NCCL group abandoned and formed again in-process", False, f"{type(exc).__name__}: {exc}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default="", help="where the runs go (default: a temporary directory)")
@@ -156,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.workdir or temporary)
         trainer_path(work, checks)
         rescue_rule(checks)
+        reform_in_process(checks)
         torchrun_restart(work, checks)
     print(f"gpu_check: {'all passed' if not checks.failed else f'{checks.failed} failed'}")
     return 1 if checks.failed else 0

@@ -55,12 +55,18 @@ def _abandon_and_form_again(path: str) -> list[dict[str, object]]:
     return [json.loads(out.strip().splitlines()[-1]) for out in outs]
 
 
+def _formed_again(outcome: dict[str, object], how: str) -> None:
+    timings = {name: outcome.pop(name) for name in ("abandon_s", "form_s")}
+    assert outcome == {"raised": True, "how": how, "group_left": False, "sum": 2.0, "model_kept": True}, outcome
+    assert all(isinstance(seconds, float) and seconds >= 0 for seconds in timings.values()), timings
+
+
 def test_survivors_abort_the_broken_group_where_torch_can_and_form_a_new_one_in_process() -> None:
     how = "abort" if callable(getattr(dist.ProcessGroup, "abort", None)) else "destroy"
     for outcome in _abandon_and_form_again("abort"):
-        assert outcome == {"raised": True, "how": how, "group_left": False, "sum": 2.0}, outcome
+        _formed_again(outcome, how)
 
 
 def test_without_abort_survivors_destroy_the_broken_group_and_form_a_new_one_in_process() -> None:
     for outcome in _abandon_and_form_again("destroy"):
-        assert outcome == {"raised": True, "how": "destroy", "group_left": False, "sum": 2.0}, outcome
+        _formed_again(outcome, "destroy")
