@@ -131,10 +131,10 @@ def trainer_loop(config, context, built, steps: int, log_dir: str) -> tuple[floa
 
     config = dataclasses.replace(config, max_steps=steps, log=dataclasses.replace(config.log, every=steps, dir=log_dir))
     trainer = Trainer(config, context, built)
-    started, cpu_started = time.perf_counter(), time.process_time()
-    trainer.run()
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    trainer.close()
+    with trainer.make_runtime() as runtime:  # its groups formed outside the timing, as the plain loop's group is
+        started, cpu_started = time.perf_counter(), time.process_time()
+        trainer.run(runtime)
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     summary = {}
     if context.is_main:
         with open(os.path.join(log_dir, "metrics.jsonl"), encoding="utf-8") as handle:
