@@ -83,10 +83,12 @@ def worker(args: argparse.Namespace) -> None:
                 log = dataclasses.replace(config.log, every=args.steps, dir=os.path.join(run_dir, "logs"))
                 trainer = Trainer(dataclasses.replace(config, checkpoint=checkpoint, log=log), context,
                                   Built(build_model(config.model), data))
-                started = time.perf_counter()
-                trainer.run()
-                elapsed = time.perf_counter() - started
-                replicas = trainer.replicas
+                with trainer.make_runtime() as runtime:
+                    started = time.perf_counter()
+                    trainer.run(runtime)
+                    elapsed = time.perf_counter() - started
+                    assert runtime.world is not None
+                    replicas = runtime.world.replicas  # closed with the runtime; its figures stay
                 if replicas is not None:
                     replicas.wait()
                     if round_index:
@@ -99,7 +101,6 @@ def worker(args: argparse.Namespace) -> None:
                     replicas.discard()
                 state_bytes = sum(t.numel() * t.element_size()
                                   for t in flatten(trainer.state.replicated_state_dict()).tensors)
-                trainer.close()
                 if round_index:
                     times[setting].append(elapsed / args.steps)
         if context.is_main:
