@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -180,10 +181,29 @@ def test_an_agent_without_an_importing_server_does_not_wait() -> None:
     assert prefork.wait_until_warm(os.getpid(), timeout=WAIT_S) is None
 
 
-def test_the_wait_for_a_warm_server_ends_once_its_imports_are_done(importing_server) -> None:
+def _waiting_once_connected(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once :func:`prefork.wait_until_warm` holds its connection to the warming socket (before that, a server
+    gone would read as none importing)."""
+    connected = threading.Event()
+    connect = prefork._connect
+
+    def noting(address: str) -> socket.socket | None:
+        sock = connect(address)
+        if sock is not None:
+            connected.set()
+        return sock
+
+    monkeypatch.setattr(prefork, "_connect", noting)
+    return connected
+
+
+def test_the_wait_for_a_warm_server_ends_once_its_imports_are_done(importing_server,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     _, release, imported = importing_server
+    connected = _waiting_once_connected(monkeypatch)
     waited: queue.Queue[float | None] = queue.Queue()
     threading.Thread(target=lambda: waited.put(prefork.wait_until_warm(os.getpid(), timeout=START_S)), daemon=True).start()
+    assert connected.wait(WAIT_S), "the wait did not reach the importing server"
     with pytest.raises(queue.Empty):
         waited.get(timeout=1.0)  # still importing: the wait goes on
     release.touch()
@@ -192,10 +212,12 @@ def test_the_wait_for_a_warm_server_ends_once_its_imports_are_done(importing_ser
     assert prefork.wait_until_warm(os.getpid(), timeout=WAIT_S) is None  # warm: no wait any more
 
 
-def test_the_wait_ends_when_an_importing_server_dies(importing_server) -> None:
+def test_the_wait_ends_when_an_importing_server_dies(importing_server, monkeypatch: pytest.MonkeyPatch) -> None:
     server, _, imported = importing_server
+    connected = _waiting_once_connected(monkeypatch)
     waited: queue.Queue[float | None] = queue.Queue()
     threading.Thread(target=lambda: waited.put(prefork.wait_until_warm(os.getpid(), timeout=START_S)), daemon=True).start()
+    assert connected.wait(WAIT_S), "the wait did not reach the importing server"
     os.kill(server, signal.SIGKILL)
     assert waited.get(timeout=WAIT_S) is not None
     assert not imported.exists()
