@@ -128,15 +128,9 @@ class ElasticSampler:
         shuffle: bool = True,
         drop_last: bool = True,
     ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is not in a world of size {world_size}")
         if global_batch_size < 1 or grad_accum_steps < 1:
             raise DataError("global_batch_size and grad_accum_steps must be >= 1")
-        if global_batch_size < world_size:
-            raise ConfigError(
-                f"global_batch_size {global_batch_size} is smaller than the world size {world_size}: every rank needs "
-                "at least one sample per step; raise the global batch size or run fewer ranks"
-            )
+        _check_membership(rank, world_size, global_batch_size)
         if dataset_len < 1:
             raise DataError("the dataset is empty")
         if drop_last and dataset_len < global_batch_size:
@@ -170,6 +164,16 @@ class ElasticSampler:
         self.last_commit: StepPlan | None = None
         """The plan of the newest :meth:`commit` of this process (None before the first): the runtime's sample
         ledger records it at the step boundary."""
+
+    def join(self, rank: int, world_size: int) -> None:
+        """Take this process's place in a membership: the steps from the committed position on are split over
+        ``world_size`` ranks, this one's share being ``rank``'s. Which samples form each step does not change.
+        An iterator made before plans with the old split: make a new one after this."""
+        _check_membership(rank, world_size, self.global_batch_size)
+        if (rank, world_size) != (self.rank, self.world_size):
+            self.rank, self.world_size = rank, world_size
+            self._micro_batches = None
+            self.dispatched = None
 
     # -- state -----------------------------------------------------------------
 
@@ -259,6 +263,16 @@ class ElasticSampler:
             plan = self.plan(position)
             yield from self.local_micro_batches(plan)
             position = self.dispatched = plan.next_position
+
+
+def _check_membership(rank: int, world_size: int, global_batch_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is not in a world of size {world_size}")
+    if global_batch_size < world_size:
+        raise ConfigError(
+            f"global_batch_size {global_batch_size} is smaller than the world size {world_size}: every rank needs "
+            "at least one sample per step; raise the global batch size or run fewer ranks"
+        )
 
 
 def check_delivered(batch: Any, expected: list[int], rank: int, step: int, plan: StepPlan) -> None:

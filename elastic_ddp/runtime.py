@@ -276,8 +276,9 @@ class Runtime:
         is formed, and enter it with ``with``. ``model``: the module itself, not its DDP wrapper.
         ``fingerprint``: values a checkpoint must match to be resumed (model shape, data settings...), JSON.
         ``seed``: every step's RNG streams are keyed by it, the step and the rank (at ``sampler.plan()``).
-        ``state``: other ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0 appends each committed
-        step's sample ids to ``samples.jsonl`` in ``events``' log directory (docs/design.md, "Data cursor")."""
+        ``state``: other ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0
+        appends each committed step's sample ids to ``samples.jsonl`` in ``events``' log directory (docs/design.md,
+        "Data cursor")."""
         train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
                                  extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
         runtime = cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,

@@ -134,7 +134,9 @@ class World:
     # -- resume --------------------------------------------------------------------
 
     def restore(self, state: TrainState) -> int:
-        """Load the newest valid replica or checkpoint into ``state``, or seed fresh RNG streams; the step."""
+        """Load the newest valid replica or checkpoint into ``state``, or seed fresh RNG streams; the step. The
+        sampler takes this membership's rank and world size first (the group is what decides them)."""
+        state.sampler.join(self.rank, self.world_size)
         restored = None
         if self.checkpoints is not None and self.checkpoint.resume:
             restored = self.checkpoints.restore(state, allow_fresh_start=self.checkpoint.allow_fresh_start,

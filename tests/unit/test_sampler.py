@@ -17,7 +17,7 @@ from elastic_ddp.data import (
     split_evenly,
     update_data_digest,
 )
-from elastic_ddp.errors import DataError
+from elastic_ddp.errors import ConfigError, DataError
 
 
 def _samplers(world_size: int, state: dict[str, int] | None = None, **kwargs) -> list[ElasticSampler]:
@@ -141,3 +141,28 @@ def test_invalid_saved_state_is_refused() -> None:
     sampler = ElasticSampler(64, global_batch_size=8, seed=0, rank=0, world_size=1)
     with pytest.raises(DataError, match="invalid sampler state"):
         sampler.load_state_dict({"epoch": 0, "cursor": 65})
+
+
+def test_a_sampler_that_joins_another_membership_splits_the_same_steps_over_its_ranks() -> None:
+    samplers = [ElasticSampler(100, global_batch_size=12, seed=1, rank=rank, world_size=4) for rank in range(4)]
+    for sampler in samplers:
+        for _ in range(3):
+            sampler.commit(sampler.plan())
+    survivors = samplers[:3]
+    for rank, sampler in enumerate(survivors):
+        sampler.join(rank, 3)
+    plan = survivors[0].plan()
+    assert all(sampler.position == samplers[3].position for sampler in survivors)  # the position is the job's
+    shares = [sampler.global_ids(plan)[slice(*sampler.local_share(plan))].tolist() for sampler in survivors]
+    assert [len(share) for share in shares] == [4, 4, 4]
+    assert sorted(sum(shares, [])) == sorted(samplers[3].global_ids(plan).tolist())  # every sample, once
+    assert next(iter(survivors[1])) == shares[1]  # a new iterator hands out the new split
+
+
+def test_joining_a_membership_the_global_batch_cannot_cover_is_refused() -> None:
+    sampler = ElasticSampler(100, global_batch_size=4, seed=1, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="smaller than the world size 5"):
+        sampler.join(0, 5)
+    with pytest.raises(DataError, match="rank 3 is not in a world of size 3"):
+        sampler.join(3, 3)
+    assert (sampler.rank, sampler.world_size) == (0, 2)
