@@ -107,7 +107,8 @@ WRITTEN: Mapping[Event, tuple[str, str]] = {
     Event.RESUMED: (
         "every rank, after loading (`CheckpointManager.restore`)",
         "`step`, `path` (the step directory, or the node's replica directory), `saved_world_size`, `world_size` "
-        "(now), `rank_state_reused` (same world size: the rank's own RNG streams), `source` (`storage` or `replica`)"),
+        "(now), `rank_state_reused` (same world size: the rank's own RNG streams), `source` (`storage`, `replica`, or "
+        "`live`: a new membership in the same process went on from the live state, `path` empty)"),
     Event.FIRST_STEP: (
         "every rank (trainer path), when the first step of its launch is done",
         "`step`, `data_wait_s` (time it waited for that step's batches: a node that joined with an empty shard "

@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, abandon_group, shares_agent_store
+from elastic_ddp.distributed import LaunchEnv, Reformed, abandon_group, reform_group, shares_agent_store
 from elastic_ddp.errors import ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
@@ -52,7 +52,7 @@ from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, tell_the_agent, write_error_file
 from elastic_ddp.resilience.group import GroupWatch
-from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers
+from elastic_ddp.resilience.rescue import LiveState, StepPhase, has_persistent_buffers, why_not_kept
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import Stateful, TrainState, model_digest
@@ -341,11 +341,14 @@ class Runtime:
             backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "none"
             announce_process_group(self.events, world_size, backend, LaunchEnv.from_env())
         self.guards = ProcessGuards(self.resilience, self.events, self.rank_log_file, self._abandon_grace, self._abandon)
-        self.world = World(checkpoint=self.checkpoint, resilience=self.resilience,
-                           collective_timeout_s=self.collective_timeout_s, events=self.events,
-                           watchdog=self.guards.watchdog, stop=self.guards.stop, sample_ledger=self.sample_ledger)
+        self.world = self._form_world(self.guards)
         self._track_step_phase()
         self.lifecycle = Lifecycle.OPEN
+
+    def _form_world(self, guards: ProcessGuards) -> World:
+        return World(checkpoint=self.checkpoint, resilience=self.resilience,
+                     collective_timeout_s=self.collective_timeout_s, events=self.events,
+                     watchdog=guards.watchdog, stop=guards.stop, sample_ledger=self.sample_ledger)
 
     def _track_step_phase(self) -> None:
         """A training forward begins the step's forward phase, the optimizer's step its update phase; the
@@ -440,6 +443,49 @@ class Runtime:
         self.events.set_step(step)
         self.begin()
         return step
+
+    def reform(self, store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
+               device: torch.device, timeout_s: float) -> Reformed:
+        """Go on in a new membership in this process, after a peer's loss or a join (docs/design.md, "Failure
+        semantics", In-process recovery): the broken group is given up and this membership's world closed, the
+        next membership's group formed (:func:`elastic_ddp.distributed.reform_group`; every member calls this
+        with the same ``generation`` and the ranks agreed beforehand) and its world built around it. The model,
+        optimizer and device state are kept when they are a complete state of the last step (the rescue's rule);
+        otherwise every member loads the newest replica or checkpoint. The sampler joins the new membership at
+        its committed position. Wrap the model in a new ``DistributedDataParallel`` and make a new loader
+        iterator afterwards; the step to go on from is ``state.counters.step``.
+
+        Raises:
+            DistributedInitError: the new group was not formed within ``timeout_s``.
+        """
+        world, guards = self._require_restored("reform"), self._open_guards()
+        live = LiveState(phase=self.phase, forward_changes_state=has_persistent_buffers(self.state.model)
+                         or bool(self.state.extra), sharded_optimizer=self.state.sharded_optimizer,
+                         rank_objects=bool(self.state.rank_extra))
+        kept = why_not_kept(live)
+        before = world.world_size
+        started = time.perf_counter()
+        abandoned = abandon_group()  # first: a save in flight on the old groups then fails at once, not waits
+        self.world = None
+        world.close()
+        formed = reform_group(store, rank=rank, world_size=world_size, generation=generation, backend=backend,
+                              device=device, timeout_s=timeout_s)
+        reformed = Reformed(abandoned=abandoned, abandon_s=time.perf_counter() - started - formed.form_s,
+                            form_s=formed.form_s)
+        self.world = self._form_world(guards)
+        self.phase = StepPhase.BETWEEN
+        if kept is None:
+            self.world.go_on(self.state, before)
+        else:
+            logger.warning("rank %d: the live state is not kept in the new membership (%s): loading the newest replica "
+                           "or checkpoint", rank, kept)
+            self.watchdog.enter(Phase.CHECKPOINT)
+            self.world.restore(self.state)
+        step = self.state.counters.step
+        self._boundary = (step, self.state.sampler.samples_seen)
+        self.events.set_step(step)
+        self.begin()
+        return reformed
 
     def begin(self) -> None:
         """Mark the start of training (the trainer, after its loader forked its workers): the first step's time

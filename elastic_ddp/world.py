@@ -160,10 +160,26 @@ class World:
         step = state.counters.step
         self.last_commit_step = step
         self.last_commit_time = time.monotonic()
-        state.sampler.on_plan = lambda: key_rng_streams(state.seed, state.counters.step, self.rank)
-        self.keyed = state.sampler
+        self._key_by_step(state)
         self._say_if_rescue_ruled_out(state)
         return step
+
+    def go_on(self, state: TrainState, saved_world_size: int) -> None:
+        """Take over ``state``, the live state of the last step of the membership before (world size
+        ``saved_world_size``), as this membership's starting point: nothing is loaded."""
+        state.sampler.join(self.rank, self.world_size)
+        step = state.counters.step
+        self.events.emit(Event.RESUMED, step=step, path="", saved_world_size=saved_world_size,
+                         world_size=self.world_size, rank_state_reused=False, source="live")
+        self.log0.info("went on in a new membership from the live state of step %d (world size %d, was %d)", step,
+                       self.world_size, saved_world_size)
+        self.last_commit_step = None
+        self.last_commit_time = time.monotonic()
+        self._key_by_step(state)
+
+    def _key_by_step(self, state: TrainState) -> None:
+        state.sampler.on_plan = lambda: key_rng_streams(state.seed, state.counters.step, self.rank)
+        self.keyed = state.sampler
 
     def _say_if_rescue_ruled_out(self, state: TrainState) -> None:
         """Rank 0, before the first step: what rules out every rescue of this run, with the fix, rather than
