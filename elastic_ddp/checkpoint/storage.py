@@ -16,15 +16,10 @@ Two implementations: :class:`LocalStorage` for paths and ``file://`` URIs, and
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
-import mmap
 import os
 import shutil
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -184,94 +179,6 @@ def _local_errors(action: str, path: str) -> Iterator[None]:
 
 
 def _write_synced(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-    """Write a new file and fsync it; its size and digest. Around the page cache (:func:`_write_direct`)
-    where the file system takes ``O_DIRECT``, through it (:func:`_write_buffered`) where it refuses."""
-    try:
-        fd = os.open(path, _NEW_FILE | _O_DIRECT, 0o666) if _O_DIRECT else None
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
-            raise
-        fd = None
-    if fd is None:
-        return _write_buffered(path, chunks)
-    try:
-        return _write_direct(fd, chunks)
-    finally:
-        os.close(fd)
-
-
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others); 0 where there is none
-DIRECT_ALIGN = 4096
-"""What direct I/O needs aligned, the buffer's address, the file offset and the length: the largest
-logical block size of common disks (page-aligned anonymous ``mmap`` memory is aligned to it)."""
-DIRECT_BUFFER_BYTES = 32 << 20
-DIRECT_BUFFERS = 3
-"""Staging buffers of a direct write: one filling while the others are written (96 MiB, reserved
-only as it is touched, returned when the write ends)."""
-
-
-def _write_direct(fd: int, chunks: Iterable[bytes | memoryview]) -> FileRecord:
-    """Write ``chunks`` to ``fd``, opened with ``O_DIRECT``, and fsync it.
-
-    The bytes are copied into page-aligned staging buffers (a memcpy), and each full buffer is
-    written on a writer thread straight from that buffer to the disk, while the next one fills:
-    no copy into the page cache, which on 2 cores took about as much CPU as the hashing beside
-    it. The chunks themselves are hashed (:class:`Checksum`), as on the buffered path. The tail
-    that is not a multiple of DIRECT_ALIGN is written after ``O_DIRECT`` is dropped.
-    """
-    with Checksum() as checksum, ThreadPoolExecutor(1, thread_name_prefix="elastic-ddp-write") as writer:
-        written: deque[tuple[memoryview, Future[None]]] = deque()  # in the order they were queued
-        buffer, fill = _staging_buffer(), 0
-        for chunk in chunks:
-            checksum.update(chunk)  # hashed on the side while this chunk is copied and written
-            view = memoryview(chunk).cast("B")
-            while view.nbytes:
-                take = min(len(buffer) - fill, view.nbytes)
-                buffer[fill : fill + take] = view[:take]
-                fill += take
-                view = view[take:]
-                if fill == len(buffer):
-                    written.append((buffer, writer.submit(_write_all, fd, buffer)))
-                    if len(written) == DIRECT_BUFFERS:  # reuse the oldest once it is on the disk
-                        buffer, done = written.popleft()
-                        done.result()
-                    else:
-                        buffer = _staging_buffer()
-                    fill = 0
-        whole = fill - fill % DIRECT_ALIGN
-        if whole:
-            written.append((buffer, writer.submit(_write_all, fd, buffer[:whole])))
-        for _, done in written:
-            done.result()
-        if whole < fill:
-            _drop_direct(fd)
-            _write_all(fd, buffer[whole:fill])
-        os.fsync(fd)
-        return checksum.record()
-
-
-def _staging_buffer() -> memoryview:
-    return memoryview(mmap.mmap(-1, DIRECT_BUFFER_BYTES))  # anonymous: page-aligned
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` at the file position; where direct I/O refuses it (EINVAL: an alignment this
-    file system wants larger, or no direct I/O after all), drop ``O_DIRECT`` and write through the page cache."""
-    while view.nbytes:
-        try:
-            view = view[os.write(fd, view) :]
-        except OSError as exc:
-            if exc.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT:
-                raise
-            _drop_direct(fd)
-
-
-def _drop_direct(fd: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-
-
-def _write_buffered(path: str, chunks: Iterable[bytes | memoryview]) -> FileRecord:
     with Checksum() as checksum, open(path, "wb") as handle:
         behind = WriteBehind(handle.fileno())
         for chunk in chunks:

@@ -8,11 +8,9 @@ atomic writes with checksums, create-only (one of two racing writers wins), list
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -22,12 +20,10 @@ from pathlib import Path
 
 import fsspec
 import pytest
-import torch
 from botocore.exceptions import ClientError
 
 from elastic_ddp.checkpoint import storage as storage_module
-from elastic_ddp.checkpoint.files import BACKGROUND_NICE, LEGACY_HASH_NAME, PIECE_BYTES, READ_CHUNK_BYTES, Checksum, FileRecord
-from elastic_ddp.checkpoint.format import encode_chunks, flatten
+from elastic_ddp.checkpoint.files import BACKGROUND_NICE, PIECE_BYTES, READ_CHUNK_BYTES, Checksum, FileRecord
 from elastic_ddp.checkpoint.remote import _lost_create_race, _parts
 from elastic_ddp.checkpoint.storage import (
     CheckpointStorageError,
@@ -103,122 +99,6 @@ def test_write_behind_hands_each_complete_window_to_the_disk_and_waits_two_behin
     start, wait = WriteBehind._START, WriteBehind._WAIT
     assert calls == [(0, window, start), (window, window, start), (2 * window, window, start), (0, window, wait),
                      (3 * window, window, start), (window, window, wait)]
-
-
-def checkpoint_chunks() -> list[bytes | memoryview]:
-    """A checkpoint file's stream (header, tensors of several dtypes, none a multiple of 4096 bytes long)."""
-    tensors = {"a": torch.arange(70_001, dtype=torch.float32), "b": torch.arange(3_333, dtype=torch.int16),
-               "c": torch.ones(5, dtype=torch.bool), "empty": torch.empty(0)}
-    return list(encode_chunks(flatten({"model": tensors, "step": 7})))
-
-
-def takes_direct_io(directory: Path) -> bool:
-    try:
-        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
-    except OSError:
-        return False
-    os.unlink(directory / "probe")
-    return True
-
-
-def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
-    """Record each call of storage's ``name`` (its ``_write_direct`` or ``_write_buffered``)."""
-    calls: list[str] = []
-    real = getattr(storage_module, name)
-
-    def recorded(*args: object) -> object:
-        calls.append(name)
-        return real(*args)
-
-    monkeypatch.setattr(storage_module, name, recorded)
-    return calls
-
-
-@pytest.mark.parametrize("size", [0, 5, 4096, 3 * 64 * 1024, 3 * 64 * 1024 + 4097, 10 * 64 * 1024 + 1])
-def test_direct_and_buffered_writes_give_the_same_file_and_digest(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
-) -> None:
-    monkeypatch.setattr(storage_module, "DIRECT_BUFFER_BYTES", 64 * 1024)  # many buffers, each reused
-    whole = os.urandom(size)
-    chunks = [memoryview(whole)[at : at + 10_007] for at in range(0, size, 10_007)]  # never aligned
-    direct = spy(monkeypatch, "_write_direct")
-    record = storage_module._write_synced(str(tmp_path / "direct"), chunks)
-    if takes_direct_io(tmp_path):
-        assert direct == ["_write_direct"]
-    assert record == storage_module._write_buffered(str(tmp_path / "buffered"), chunks)
-    assert record == FileRecord(size=size, digest=sha256(whole))
-    assert (tmp_path / "direct").read_bytes() == (tmp_path / "buffered").read_bytes() == whole
-
-
-def test_a_checkpoint_written_around_the_page_cache_is_byte_identical_to_one_written_through_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(storage_module, "DIRECT_BUFFER_BYTES", 64 * 1024)
-    chunks = checkpoint_chunks()
-    storage = LocalStorage(str(tmp_path))
-    record = storage.write(storage.join("direct.eddp"), chunks)
-    assert record == storage_module._write_buffered(str(tmp_path / "buffered.eddp"), chunks)
-    data = (tmp_path / "direct.eddp").read_bytes()
-    assert data == (tmp_path / "buffered.eddp").read_bytes() == b"".join(bytes(chunk) for chunk in chunks)
-    assert storage.read_hashed(storage.join("direct.eddp"))[1] == record
-    legacy = storage.read_hashed(storage.join("direct.eddp"), hash_name=LEGACY_HASH_NAME)[1]
-    assert legacy.digest == hashlib.sha256(data).hexdigest()
-
-
-def test_a_file_system_that_refuses_direct_io_gets_buffered_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As tmpfs did before Linux 6.6, and FUSE and some network file systems do: open(O_DIRECT) is EINVAL."""
-    real_open = os.open
-
-    def refusing_open(path: str, flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", refusing_open)
-    buffered, direct = spy(monkeypatch, "_write_buffered"), spy(monkeypatch, "_write_direct")
-    chunks = checkpoint_chunks()
-    whole = b"".join(bytes(chunk) for chunk in chunks)
-    storage = LocalStorage(str(tmp_path))
-    assert storage.write(storage.join("step-00000001", "a.eddp"), chunks) == FileRecord(size=len(whole), digest=sha256(whole))
-    assert (buffered, direct) == (["_write_buffered"], [])
-    assert storage.read(storage.join("step-00000001", "a.eddp")) == whole
-    assert os.listdir(tmp_path / "step-00000001") == ["a.eddp"]  # no temp file left
-
-
-def test_a_direct_write_refused_midway_goes_on_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage_module, "DIRECT_BUFFER_BYTES", 64 * 1024)
-    real_write = os.write
-    direct_writes: list[int] = []
-
-    def refusing_write(fd: int, data: memoryview) -> int:
-        """The second direct write is refused (as where a file system wants a larger alignment)."""
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            direct_writes.append(len(data))
-            if len(direct_writes) == 2:
-                raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    chunks = [memoryview(os.urandom(5 * 64 * 1024 + 123))]
-    monkeypatch.setattr(os, "write", refusing_write)
-    record = storage_module._write_synced(str(tmp_path / "f"), chunks)
-    monkeypatch.undo()
-    assert direct_writes == [64 * 1024, 64 * 1024]  # then no direct write was tried again
-    assert record == FileRecord(size=chunks[0].nbytes, digest=sha256(bytes(chunks[0])))
-    assert (tmp_path / "f").read_bytes() == bytes(chunks[0])
-
-
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
-def test_writes_to_tmpfs_read_back_whole_whichever_way_it_takes_them() -> None:
-    root = Path("/dev/shm") / f"elastic-ddp-test-{uuid.uuid4().hex[:8]}"
-    try:
-        storage = LocalStorage(str(root))
-        chunks = checkpoint_chunks()
-        whole = b"".join(bytes(chunk) for chunk in chunks)
-        path = storage.join("step-00000001", "a.eddp")
-        assert storage.write(path, chunks) == FileRecord(size=len(whole), digest=sha256(whole))
-        assert storage.read(path) == whole
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_join_onto_a_joined_path_extends_it(open_view: OpenStorage) -> None:
