@@ -275,17 +275,29 @@ class Reformed:
 
 def reform_group(store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
                  device: torch.device, timeout_s: float) -> Reformed:
-    """Give up the default process group and form a new one in this process, keeping everything else the
-    process holds (the interpreter, the CUDA context, the model and optimizer on their device).
+    """Give up the default process group (:func:`abandon_group`) and form the next membership's in this process
+    (:func:`form_membership_group`), keeping everything else the process holds (the interpreter, the CUDA
+    context, the model and optimizer on their device)."""
+    started = time.perf_counter()
+    abandoned = abandon_group()
+    abandon_s = time.perf_counter() - started
+    return Reformed(abandoned=abandoned, abandon_s=abandon_s,
+                    form_s=form_membership_group(store, rank=rank, world_size=world_size, generation=generation,
+                                                 backend=backend, device=device, timeout_s=timeout_s, abandoned=abandoned))
+
+
+def form_membership_group(store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
+                          device: torch.device, timeout_s: float, abandoned: str) -> float:
+    """Form the default process group of membership ``generation``, once the one before was let go
+    (``abandoned``: :func:`abandon_group`'s answer); the seconds it took, up to and including a first barrier.
 
     ``rank`` and ``world_size`` are this process's place in the new membership, agreed beforehand; every member
     calls this with the same ``generation``, whose keys in ``store`` (under ``elastic_ddp/membership-<n>/``) no
-    earlier group used. Raises :class:`DistributedInitError` when the members do not meet within ``timeout_s``."""
-    started = time.perf_counter()
-    abandoned = abandon_group()
+    earlier group used. Raises :class:`DistributedInitError` when the old group was not let go, or the members
+    do not meet within ``timeout_s``."""
     if abandoned == "stuck":
         raise DistributedInitError(f"rank {rank}: the broken process group was not let go; a new one cannot be formed")
-    formed = time.perf_counter()
+    started = time.perf_counter()
     prefixed = dist.PrefixStore(f"elastic_ddp/membership-{generation}/", store)
     try:
         dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size,
@@ -294,8 +306,7 @@ def reform_group(store: dist.Store, *, rank: int, world_size: int, generation: i
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedInitError(f"rank {rank}/{world_size}: could not form the {backend} group of membership "
                                    f"{generation} within {timeout_s:g} s: {_first_line(exc)}") from exc
-    done = time.perf_counter()
-    return Reformed(abandoned=abandoned, abandon_s=formed - started, form_s=done - formed)
+    return time.perf_counter() - started
 
 
 @contextmanager

@@ -44,7 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, Reformed, abandon_group, reform_group, shares_agent_store
+from elastic_ddp.distributed import LaunchEnv, Reformed, abandon_group, form_membership_group, shares_agent_store
 from elastic_ddp.errors import ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
@@ -439,16 +439,20 @@ class Runtime:
         self.watchdog.enter(Phase.CHECKPOINT)
         step = world.restore(self.state)
         self.lifecycle = Lifecycle.TRAINING
+        self._train_from(step)
+        return step
+
+    def _train_from(self, step: int) -> None:
+        """The runtime's own marks once the state is that of ``step`` (restored, or kept in a new membership)."""
         self._boundary = (step, self.state.sampler.samples_seen)
         self.events.set_step(step)
         self.begin()
-        return step
 
     def reform(self, store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
                device: torch.device, timeout_s: float) -> Reformed:
         """Go on in a new membership in this process, after a peer's loss or a join (docs/design.md, "Failure
         semantics", In-process recovery): the broken group is given up and this membership's world closed, the
-        next membership's group formed (:func:`elastic_ddp.distributed.reform_group`; every member calls this
+        next membership's group formed (:func:`elastic_ddp.distributed.form_membership_group`; every member calls this
         with the same ``generation`` and the ranks agreed beforehand) and its world built around it. The model,
         optimizer and device state are kept when they are a complete state of the last step (the rescue's rule);
         otherwise every member loads the newest replica or checkpoint. The sampler joins the new membership at
@@ -459,19 +463,15 @@ class Runtime:
             DistributedInitError: the new group was not formed within ``timeout_s``.
         """
         world, guards = self._require_restored("reform"), self._open_guards()
-        live = LiveState(phase=self.phase, forward_changes_state=has_persistent_buffers(self.state.model)
-                         or bool(self.state.extra), sharded_optimizer=self.state.sharded_optimizer,
-                         rank_objects=bool(self.state.rank_extra))
-        kept = why_not_kept(live)
+        kept = why_not_kept(self._live_state())
         before = world.world_size
         started = time.perf_counter()
         abandoned = abandon_group()  # first: a save in flight on the old groups then fails at once, not waits
         self.world = None
         world.close()
-        formed = reform_group(store, rank=rank, world_size=world_size, generation=generation, backend=backend,
-                              device=device, timeout_s=timeout_s)
-        reformed = Reformed(abandoned=abandoned, abandon_s=time.perf_counter() - started - formed.form_s,
-                            form_s=formed.form_s)
+        abandon_s = time.perf_counter() - started
+        form_s = form_membership_group(store, rank=rank, world_size=world_size, generation=generation,
+                                       backend=backend, device=device, timeout_s=timeout_s, abandoned=abandoned)
         self.world = self._form_world(guards)
         self.phase = StepPhase.BETWEEN
         if kept is None:
@@ -481,11 +481,8 @@ class Runtime:
                            "or checkpoint", rank, kept)
             self.watchdog.enter(Phase.CHECKPOINT)
             self.world.restore(self.state)
-        step = self.state.counters.step
-        self._boundary = (step, self.state.sampler.samples_seen)
-        self.events.set_step(step)
-        self.begin()
-        return reformed
+        self._train_from(self.state.counters.step)
+        return Reformed(abandoned=abandoned, abandon_s=abandon_s, form_s=form_s)
 
     def begin(self) -> None:
         """Mark the start of training (the trainer, after its loader forked its workers): the first step's time
@@ -584,16 +581,18 @@ class Runtime:
     def rescue(self) -> None:
         """Keep this rank's live state in node memory for the restart, when it is a complete state of its step
         (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
-        world = self.world
-        if world is None:
-            return
+        if self.world is not None:
+            self.world.rescue(self.state, self._live_state())
+
+    def _live_state(self) -> LiveState:
+        """What decides whether this rank's live state is a complete state of its step (the rescue's rule)."""
         device = next((p.device for p in self.state.model.parameters()), torch.device("cpu"))
-        world.rescue(self.state, LiveState(
+        return LiveState(
             phase=self.phase,
             forward_changes_state=has_persistent_buffers(self.state.model) or bool(self.state.extra),
             sharded_optimizer=self.state.sharded_optimizer, rank_objects=bool(self.state.rank_extra),
             device_busy=device.type == "cuda" and not torch.cuda.current_stream(device).query(),
-        ))
+        )
 
     def _abandon_grace(self) -> float:
         return max(ABANDON_GRACE_S, 3 * self._typical_step_s)
