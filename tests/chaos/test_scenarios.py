@@ -212,6 +212,7 @@ def test_a_survivor_blocked_in_a_collective_recovers_within_2_s_of_one_whose_col
     assert blocked_redone <= max(raised_redone, 1), f"redone {blocked_redone} vs {raised_redone}\n{text}"
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_when_every_node_holding_the_replicas_is_killed_the_job_falls_back_to_the_committed_checkpoint(
         tmp_path: Path, cache_dir: Path) -> None:
     """Both nodes are killed at once (every replica is lost with them); two new nodes start: they resume

@@ -90,6 +90,7 @@ def test_a_weighted_loss_stays_the_global_mean_when_the_world_size_changes(custo
         assert torch.allclose(ours[name], tensor, rtol=WORLD_CHANGE_RTOL, atol=WORLD_CHANGE_ATOL), name
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_a_hand_written_loop_resumes_bitwise_through_the_library(tmp_path: Path) -> None:
     common = ["--checkpoint-every", "10", "--log-every", "10"]
     launch(BYO, ["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "straight"), *common])

@@ -13,6 +13,7 @@ from tests.jobs import inspect, train_ok
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_the_example_job_writes_every_committed_step_and_a_resume_appends_the_redone_ones(tmp_path: Path) -> None:
     """Six steps at world size 2 with a checkpoint at step 4 and none at the end (steps 5-6 are lost), then a
     resume to step 10 as one process: steps 5-6 are written again, and their last lines are the final lineage."""

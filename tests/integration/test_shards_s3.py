@@ -110,6 +110,7 @@ def _lm(s3: S3Endpoint, args: list[str], nproc: int, cache: Path) -> None:
     assert result.returncode == 0, result.output[-4000:]
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_the_lm_example_trains_from_s3_shards_and_resumes_exactly_at_another_world_size_and_worker_count(
         s3_server: S3Endpoint, tmp_path: Path) -> None:
     shards = import_script(REPO / "examples" / "lm" / "shards.py")

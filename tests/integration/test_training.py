@@ -81,6 +81,7 @@ def test_resume_at_same_world_size_is_bitwise_identical(reference: dict, split_r
     assert resumed["data_digest"] == reference["facts"]["data_digest"]
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_resume_from_a_checkpoint_committed_in_the_background_is_bitwise_identical(reference: dict, workdir: Path) -> None:
     """The newest commit is the asynchronous save of step 20, whose parameters and optimizer state
     were copied while step 21 ran: it must hold step 20's state exactly."""
