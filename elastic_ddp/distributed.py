@@ -309,6 +309,14 @@ def form_membership_group(store: dist.Store, *, rank: int, world_size: int, gene
     return time.perf_counter() - started
 
 
+def step_spread(step: int, group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """The lowest and highest of every member's ``step`` (one MAX all-reduce of two integers on ``group``, a
+    group on the CPU): after a re-formation, whether the members ended the old membership on one step."""
+    both = torch.tensor([step, -step], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return -int(both[1]), int(both[0])
+
+
 @contextmanager
 def distributed(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[DistContext]:
     """Form the process group for the duration of a ``with`` block and always tear it down."""

@@ -44,7 +44,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_ddp.config import CheckpointConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
-from elastic_ddp.distributed import LaunchEnv, Reformed, abandon_group, form_membership_group, shares_agent_store
+from elastic_ddp.distributed import (
+    LaunchEnv,
+    Reformed,
+    abandon_group,
+    form_membership_group,
+    shares_agent_store,
+    step_spread,
+)
 from elastic_ddp.errors import ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
@@ -470,10 +477,14 @@ class Runtime:
         self.world = None
         world.close()
         abandon_s = time.perf_counter() - started
+        self.events.rank = rank  # the records' rank is this membership's
         form_s = form_membership_group(store, rank=rank, world_size=world_size, generation=generation,
                                        backend=backend, device=device, timeout_s=timeout_s, abandoned=abandoned)
         self.world = self._form_world(guards)
         self.phase = StepPhase.BETWEEN
+        lowest, highest = step_spread(self.state.counters.step, self.world.agreement.group)
+        if kept is None and lowest != highest:  # one member's step ended, another's failed: no live state is common
+            kept = f"the members ended the last membership on steps {lowest} to {highest}"
         if kept is None:
             self.world.go_on(self.state, before)
         else:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
-from chaos.cluster import free_port
 from elastic_ddp.data import ElasticSampler
 from tests.jobs import events
 
@@ -28,24 +29,35 @@ def _uninterrupted_data_digest() -> str:
     return sampler.data_digest
 
 
-def test_survivors_of_a_lost_peer_go_on_in_their_own_process_from_the_last_complete_step(tmp_path: Path) -> None:
-    port = free_port()
-    ranks = [subprocess.Popen([sys.executable, str(SHRINK), str(rank), str(port), str(tmp_path)],
+@pytest.mark.parametrize("dies", [2, 0], ids=["the-last-rank-dies", "rank-0-dies"])
+def test_survivors_of_a_lost_peer_agree_on_the_next_membership_and_go_on_in_their_own_process(
+        tmp_path: Path, dies: int) -> None:
+    """The survivors agree on the next membership through the store (its generation 1, them alone, in their old
+    order), form it in place and finish every step in their own process, none redone, with the data an
+    uninterrupted run consumed; when rank 0 dies, the old rank 1 becomes rank 0 and writes rank 0's records."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, str(SHRINK), str(rank), str(store.port), str(tmp_path), str(dies)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1, 2)]
+    survivors = [rank for rank in (0, 1, 2) if rank != dies]
     try:
-        outs = [ranks[rank].communicate(timeout=120) for rank in (0, 1)]
+        outs = {rank: ranks[rank].communicate(timeout=120) for rank in survivors}
     finally:
         for process in ranks:
             if process.poll() is None:
                 process.kill()
             process.wait()
-    assert [process.returncode for process in ranks] == [0, 0, 9], [err[-3000:] for _, err in outs]
-    survivors = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    for survivor, process in zip(survivors, ranks, strict=False):
-        assert survivor["pid"] == survivor["pid_at_end"] == process.pid  # the process that started, to the end
+    assert [process.returncode for process in ranks] == [9 if rank == dies else 0 for rank in (0, 1, 2)], \
+        {rank: err[-3000:] for rank, (_, err) in outs.items()}
+    for new_rank, old_rank in enumerate(survivors):
+        survivor = json.loads(outs[old_rank][0].strip().splitlines()[-1])
+        assert survivor["pid"] == survivor["pid_at_end"] == ranks[old_rank].pid  # the process that started, to the end
         assert survivor["step"] == STEPS and survivor["trained"] == list(range(1, STEPS + 1)), survivor  # none redone
         assert survivor["data_digest"] == _uninterrupted_data_digest()
+        assert (survivor["generation"], survivor["rank"]) == (1, new_rank), survivor
+        assert survivor["members"] == [f"worker{rank}" for rank in survivors], survivor
         assert survivor["form_s"] is not None and survivor["form_s"] >= 0
+        assert 0 <= survivor["agree_s"] <= survivor["next_step_s"], survivor
     (went_on,) = [event for event in events(tmp_path / "logs", "resumed") if event["rank"] == 0]
+    assert went_on["pid"] == ranks[survivors[0]].pid, went_on
     assert (went_on["source"], went_on["saved_world_size"], went_on["world_size"]) == ("live", 3, 2), went_on
     assert went_on["step"] in (5, 6), went_on  # the last step every rank completed, or the one the agreement closed

@@ -1,0 +1,243 @@
+"""Worker-level membership: which workers form the next process group, agreed on a store.
+
+A membership is a *generation*: generation 0 is the launch's (its ranks as given); each later one is opened by
+the first member to find the group broken (or to be told of a change) and holds the workers that *arrive* at it
+in time. Every worker runs a watcher thread that arrives as soon as a generation opens, even while its training
+thread is still inside a failing collective or a long step, so every live worker arrives within a poll interval
+and a dead one never does. A generation closes when every member of the one before has arrived, or when no
+worker has arrived for ``last_call_s``; whoever sees that first writes the member list with one
+``compare_set``, so the list all read is one list. A worker that arrived too late to be on it arrives at the next
+generation, which it opens. Ranks keep the order of the generation before (survivors first, in their old rank
+order; then newcomers in arrival order), so rank 0 stays rank 0 while it lives.
+
+Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
+counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``closed`` (the
+member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r).
+Only ``TCPStore`` semantics are used (``add``, ``compare_set``, ``check``, ``get``), so the launch's TCPStore and
+the etcd-backed store (:mod:`elastic_ddp.rendezvous.store`) both serve (docs/design.md, "In-process recovery").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "elastic_ddp/generations/"
+
+
+class MembershipError(RuntimeError):
+    """No membership was agreed within the timeout (the in-process path gives up; the restart path runs)."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One generation's members, in rank order, as seen by the worker ``uid``."""
+
+    generation: int
+    members: tuple[str, ...]
+    uid: str
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.uid)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+class Generations:
+    """This worker's side of the agreement on ``store`` (shared by every worker of the run)."""
+
+    def __init__(self, store: dist.Store, uid: str, *, last_call_s: float = 0.1, timeout_s: float = 60.0,
+                 poll_s: float = 0.002, watch_poll_s: float = 0.005) -> None:
+        if not uid or "\n" in uid or ":" in uid:
+            raise ValueError(f"a worker's uid must be non-empty, without ':' or newlines: {uid!r}")
+        for name, value in (("last_call_s", last_call_s), ("timeout_s", timeout_s), ("poll_s", poll_s),
+                            ("watch_poll_s", watch_poll_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, not {value!r}")
+        self.store, self.uid = store, uid
+        self.last_call_s, self.timeout_s, self.poll_s, self.watch_poll_s = last_call_s, timeout_s, poll_s, watch_poll_s
+        self.current: Membership | None = None
+        self._arrived: set[int] = set()
+        self._lock = threading.Lock()
+        self._newer: Membership | None = None
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # -- generation 0 ---------------------------------------------------------
+
+    def first(self, rank: int, world_size: int) -> Membership:
+        """Generation 0, the launch's ranks: publish this worker's uid as ``rank`` and read the others'."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
+        self.store.set(self._key(0, f"rank/{rank}"), self.uid)
+        keys = [self._key(0, f"rank/{r}") for r in range(world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            members = tuple(self.store.get(key).decode() for key in keys)
+        except dist.DistStoreError as exc:
+            raise MembershipError(f"the launch's {world_size} workers did not all publish their uid within "
+                                  f"{self.timeout_s:g} s") from exc
+        self.current = Membership(0, members, self.uid)
+        return self.current
+
+    # -- a change ------------------------------------------------------------
+
+    def next(self, reason: str) -> Membership:
+        """The next membership that holds this worker: open the generation after the current one (unless a peer
+        did), arrive, and wait for it to close; arriving late, go on to the one after. Raises
+        :class:`MembershipError` when none closes with this worker within ``timeout_s``."""
+        current = self._require_current()
+        newer = self.changed()
+        if newer is not None:
+            return self._adopt(newer)
+        deadline = time.monotonic() + self.timeout_s
+        generation = current.generation + 1
+        while True:
+            self.store.compare_set(self._key(generation, "open"), "", reason)
+            membership = self._arrive_and_wait(generation, deadline)
+            if membership is not None:
+                return self._adopt(membership)
+            logger.info("worker %s arrived after generation %d closed; opening generation %d", self.uid, generation,
+                        generation + 1)
+            generation += 1
+
+    def changed(self) -> Membership | None:
+        """A newer membership that holds this worker, closed while this worker trained (its watcher arrived):
+        call at every step boundary; every member goes on in it. None: no change."""
+        with self._lock:
+            newer = self._newer
+        current = self.current
+        return newer if newer is not None and current is not None and newer.generation > current.generation else None
+
+    def _adopt(self, membership: Membership) -> Membership:
+        with self._lock:
+            self.current = membership
+            if self._newer is not None and self._newer.generation <= membership.generation:
+                self._newer = None
+        return membership
+
+    # -- the watcher ----------------------------------------------------------
+
+    def start_watch(self) -> None:
+        """Arrive at every generation opened after the current one as soon as it opens (a daemon thread)."""
+        self._require_current()
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="elastic-ddp-membership", daemon=True)
+            self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5 * self.watch_poll_s + 1)
+
+    def __enter__(self) -> Generations:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _watch(self) -> None:
+        generation = self._require_current().generation + 1
+        while not self._stop.is_set():
+            current = self._require_current()
+            generation = max(generation, current.generation + 1)
+            try:
+                if not self.store.check([self._key(generation, "open")]):
+                    self._stop.wait(self.watch_poll_s)
+                    continue
+                membership = self._arrive_and_wait(generation, time.monotonic() + self.timeout_s)
+            except (dist.DistError, RuntimeError, OSError) as exc:  # the store is gone: the training thread says so
+                logger.warning("membership watcher of %s stopped: %s", self.uid, exc)
+                return
+            if membership is not None:
+                with self._lock:
+                    self._newer = membership
+            generation += 1
+
+    # -- arriving and closing -------------------------------------------------
+
+    def _arrive_and_wait(self, generation: int, deadline: float) -> Membership | None:
+        """Arrive at ``generation`` (once per process, by whichever thread gets here first) and wait until it is
+        closed; the membership if this worker is on its list, else None."""
+        with self._lock:
+            first_time = generation not in self._arrived
+            self._arrived.add(generation)
+        if first_time:
+            index = self.store.add(self._key(generation, "arrivals"), 1)
+            self.store.set(self._key(generation, f"arrival/{index}"), f"{self._old_rank()}:{self.uid}")
+        expected = self._require_current().world_size
+        seen, changed_at = -1, time.monotonic()
+        while True:
+            closed = self._closed(generation)
+            if closed is not None:
+                return Membership(generation, closed, self.uid) if self.uid in closed else None
+            count = self.store.add(self._key(generation, "arrivals"), 0)
+            now = time.monotonic()
+            if count != seen:
+                seen, changed_at = count, now
+            if count >= expected or now - changed_at >= self.last_call_s:
+                self._close(generation, count)
+                continue
+            if now > deadline:
+                raise MembershipError(f"generation {generation} did not close within {self.timeout_s:g} s "
+                                      f"({count} worker(s) arrived)")
+            time.sleep(self.poll_s)
+
+    def _close(self, generation: int, count: int) -> None:
+        """Propose the first ``count`` arrivals as the members (an arrival whose entry does not appear within
+        ``last_call_s`` is left out: it died between counting itself and writing its entry)."""
+        entries: list[tuple[tuple[int, int], str]] = []
+        for index in range(1, count + 1):
+            key = self._key(generation, f"arrival/{index}")
+            try:
+                self.store.wait([key], timedelta(seconds=self.last_call_s))
+            except dist.DistStoreError:
+                continue
+            old_rank, _, uid = self.store.get(key).decode().partition(":")
+            survivor = int(old_rank) >= 0  # survivors first, in their old order; then newcomers as they came
+            entries.append(((0, int(old_rank)) if survivor else (1, index), uid))
+        members = [uid for _, uid in sorted(entries)]
+        self.store.compare_set(self._key(generation, "closed"), "", "\n".join(members))
+
+    def _closed(self, generation: int) -> tuple[str, ...] | None:
+        key = self._key(generation, "closed")
+        if not self.store.check([key]):
+            return None
+        return tuple(self.store.get(key).decode().split("\n"))
+
+    def _old_rank(self) -> int:
+        current = self._require_current()
+        return current.rank if self.uid in current.members else -1
+
+    def _require_current(self) -> Membership:
+        current = self.current
+        if current is None:
+            raise RuntimeError("Generations.first() must be called before any change")
+        return current
+
+    @staticmethod
+    def _key(generation: int, name: str) -> str:
+        return f"{PREFIX}{generation}/{name}"
+
+
+def describe(membership: Membership, before: Membership | None) -> str:
+    """One line for the log: generation, world size and who left or joined."""
+    if before is None:
+        return f"generation {membership.generation}: {membership.world_size} worker(s)"
+    left = sorted(set(before.members) - set(membership.members))
+    joined = sorted(set(membership.members) - set(before.members))
+    return (f"generation {membership.generation}: {membership.world_size} worker(s) (was {before.world_size}"
+            + (f"; left: {', '.join(left)}" if left else "") + (f"; joined: {', '.join(joined)}" if joined else "")
+            + ")")
+
+

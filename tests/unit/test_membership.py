@@ -1,0 +1,127 @@
+"""The worker-level membership agreement (elastic_ddp.membership) on a real TCPStore: each worker here is a
+thread with its own client connection, as each process has under a launch."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_ddp.membership import Generations, Membership, MembershipError, describe
+
+
+@pytest.fixture
+def server() -> Iterator[dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    yield store
+
+
+def client(server: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
+
+
+def launch(server: dist.TCPStore, uids: list[str], **settings: float) -> list[Generations]:
+    """Generation 0 for every uid, in launch rank order, each on its own connection."""
+    workers = [Generations(client(server), uid, **settings) for uid in uids]
+    threads = [threading.Thread(target=worker.first, args=(rank, len(uids))) for rank, worker in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return workers
+
+
+@contextmanager
+def watching(workers: list[Generations]) -> Iterator[None]:
+    """Their watchers run for the block and are stopped at its end (before the store goes)."""
+    for worker in workers:
+        worker.start_watch()
+    try:
+        yield
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def wait_changed(worker: Generations, timeout_s: float = 30) -> Membership:
+    deadline = time.monotonic() + timeout_s
+    while (newer := worker.changed()) is None:
+        assert time.monotonic() < deadline, f"{worker.uid} never saw the new membership"
+        time.sleep(0.002)
+    return newer
+
+
+def test_generation_0_is_the_launch_s_ranks_on_every_worker(server: dist.TCPStore) -> None:
+    workers = launch(server, ["a", "b", "c"])
+    assert {worker.current for worker in workers} == {Membership(0, ("a", "b", "c"), uid) for uid in "abc"}
+    assert [worker.current.rank for worker in workers if worker.current] == [0, 1, 2]
+
+
+def test_the_survivors_of_a_lost_worker_agree_on_a_generation_without_it_keeping_their_order(
+        server: dist.TCPStore) -> None:
+    """Rank 0 ("a") dies: it never arrives. "c" finds the group broken and opens generation 1; "b"'s watcher
+    arrives while its training thread knows nothing; both get the same list, the old order kept."""
+    a, b, c = launch(server, ["a", "b", "c"], last_call_s=0.05)
+    with watching([b, c]):
+        went_on = c.next("the group failed")
+        seen_by_b = wait_changed(b)
+    assert went_on.members == seen_by_b.members == ("b", "c")
+    assert (went_on.generation, went_on.rank, seen_by_b.rank) == (1, 1, 0)
+    assert b.next("its own collective failed too") == seen_by_b  # the training thread adopts what the watcher saw
+    assert b.changed() is None and b.current == seen_by_b
+    del a
+
+
+def test_when_every_member_arrives_the_generation_closes_without_waiting_for_the_last_call(
+        server: dist.TCPStore) -> None:
+    workers = launch(server, ["a", "b", "c"], last_call_s=60)
+    with watching(workers[1:]):
+        started = time.monotonic()
+        went_on = workers[0].next("a change asked for at a step boundary")
+        took = time.monotonic() - started
+        assert [wait_changed(worker).members for worker in workers[1:]] == [("a", "b", "c")] * 2
+    assert went_on.members == ("a", "b", "c") and took < 30, took
+
+
+def test_a_worker_arriving_after_the_close_opens_the_next_generation_and_every_member_ends_in_it(
+        server: dist.TCPStore) -> None:
+    a, b = launch(server, ["a", "b"], last_call_s=0.05)
+    assert a.next("b is slow").members == ("a",)  # b arrives only after the close
+    with watching([a]):
+        late = b.next("b's collective failed")
+        assert late.generation == 2 and late.members == ("a", "b")
+        assert wait_changed(a) == Membership(2, ("a", "b"), "a")
+
+
+def test_a_newcomer_is_ranked_after_every_survivor(server: dist.TCPStore) -> None:
+    a, b = launch(server, ["a", "b"], last_call_s=0.05)
+    newcomer = Generations(client(server), "n", last_call_s=0.05)
+    newcomer.current = Membership(0, ("a", "b"), "n")  # knows the running generation, is not in it
+    with watching([a, b]):
+        joined = newcomer.next("joining")
+        assert joined.members == ("a", "b", "n") and joined.rank == 2
+        assert [wait_changed(worker).rank for worker in (a, b)] == [0, 1]
+
+
+def test_a_launch_whose_peer_never_publishes_is_a_membership_error_in_time(server: dist.TCPStore) -> None:
+    alone = Generations(client(server), "a", timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(MembershipError, match="2 workers did not all publish their uid within 0.3 s"):
+        alone.first(0, 2)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("uid", ["", "a:b", "a\nb"])
+def test_a_uid_that_cannot_be_stored_is_refused(server: dist.TCPStore, uid: str) -> None:
+    with pytest.raises(ValueError, match="uid"):
+        Generations(server, uid)
+
+
+def test_describe_names_who_left_and_who_joined() -> None:
+    before, after = Membership(0, ("a", "b", "c"), "a"), Membership(1, ("a", "c", "n"), "a")
+    assert describe(after, before) == "generation 1: 3 worker(s) (was 3; left: b; joined: n)"
