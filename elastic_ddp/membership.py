@@ -4,15 +4,21 @@ A membership is a *generation*: generation 0 is the launch's (its ranks as given
 the first member to find the group broken (or to be told of a change) and holds the workers that *arrive* at it
 in time. Every worker runs a watcher thread that arrives as soon as a generation opens, even while its training
 thread is still inside a failing collective or a long step, so every live worker arrives within a poll interval
-and a dead one never does. A generation closes when every member of the one before has arrived, or when no
-worker has arrived for ``last_call_s``; whoever sees that first writes the member list with one
-``compare_set``, so the list all read is one list. A worker that arrived too late to be on it arrives at the next
-generation, which it opens. Ranks keep the order of the generation before (survivors first, in their old rank
-order; then newcomers in arrival order), so rank 0 stays rank 0 while it lives.
+and a dead one never does.
+
+A generation closes when every member of the one before has arrived or is known to be dead, or when no worker
+has arrived for ``last_call_s``; whoever sees that first writes the member list with one ``compare_set``, so the
+list all read is one list. A member is known dead when its *liveness socket* (a listening TCP socket each worker
+holds for as long as its process lives, at the address it published) refuses a connection: the kernel closes it
+when the process dies, even by SIGKILL, so a crashed worker is left out at once, and only a member that does not
+answer at all (its node gone) costs the last call. A worker that arrived too late to be on the list arrives at
+the next generation, which it opens. Ranks keep the order of the generation before (survivors first, in their
+old rank order; then newcomers in arrival order), so rank 0 stays rank 0 while it lives.
 
 Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
 counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``closed`` (the
-member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r).
+member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
+``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``).
 Only ``TCPStore`` semantics are used (``add``, ``compare_set``, ``check``, ``get``), so the launch's TCPStore and
 the etcd-backed store (:mod:`elastic_ddp.rendezvous.store`) both serve (docs/design.md, "In-process recovery").
 """
@@ -20,6 +26,7 @@ the etcd-backed store (:mod:`elastic_ddp.rendezvous.store`) both serve (docs/des
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +37,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 PREFIX = "elastic_ddp/generations/"
+PROBE_EVERY_S = 0.01
+"""The most often one waiter probes one member's liveness socket."""
 
 
 class MembershipError(RuntimeError):
@@ -56,8 +65,10 @@ class Membership:
 class Generations:
     """This worker's side of the agreement on ``store`` (shared by every worker of the run)."""
 
-    def __init__(self, store: dist.Store, uid: str, *, last_call_s: float = 0.1, timeout_s: float = 60.0,
-                 poll_s: float = 0.002, watch_poll_s: float = 0.005) -> None:
+    def __init__(self, store: dist.Store, uid: str, *, host: str = "127.0.0.1", last_call_s: float = 0.1,
+                 timeout_s: float = 60.0, poll_s: float = 0.002, watch_poll_s: float = 0.005) -> None:
+        """``host``: the address of this worker's liveness socket, one its peers reach (its node's address in the
+        job; the loopback for workers of one machine)."""
         if not uid or "\n" in uid or ":" in uid:
             raise ValueError(f"a worker's uid must be non-empty, without ':' or newlines: {uid!r}")
         for name, value in (("last_call_s", last_call_s), ("timeout_s", timeout_s), ("poll_s", poll_s),
@@ -72,6 +83,11 @@ class Generations:
         self._newer: Membership | None = None
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._listener = socket.create_server((host, 0), backlog=128)  # the liveness socket
+        self._listener.setblocking(False)
+        self.store.set(f"{PREFIX}addr/{uid}", "%s:%d" % self._listener.getsockname()[:2])
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self._probed: dict[str, float] = {}
 
     # -- generation 0 ---------------------------------------------------------
 
@@ -139,6 +155,7 @@ class Generations:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5 * self.watch_poll_s + 1)
+        self._listener.close()
 
     def __enter__(self) -> Generations:
         return self
@@ -151,6 +168,7 @@ class Generations:
         while not self._stop.is_set():
             current = self._require_current()
             generation = max(generation, current.generation + 1)
+            self._answer_probes()
             try:
                 if not self.store.check([self._key(generation, "open")]):
                     self._stop.wait(self.watch_poll_s)
@@ -175,8 +193,10 @@ class Generations:
         if first_time:
             index = self.store.add(self._key(generation, "arrivals"), 1)
             self.store.set(self._key(generation, f"arrival/{index}"), f"{self._old_rank()}:{self.uid}")
-        expected = self._require_current().world_size
-        seen, changed_at = -1, time.monotonic()
+        members = set(self._require_current().members)
+        arrived: set[str] = set()
+        dead: set[str] = set()
+        seen, changed_at = 0, time.monotonic()
         while True:
             closed = self._closed(generation)
             if closed is not None:
@@ -184,14 +204,58 @@ class Generations:
             count = self.store.add(self._key(generation, "arrivals"), 0)
             now = time.monotonic()
             if count != seen:
+                arrived |= self._arrivals(generation, seen + 1, count)
                 seen, changed_at = count, now
-            if count >= expected or now - changed_at >= self.last_call_s:
+            dead |= {uid for uid in members - arrived - dead if self._refuses(uid)}
+            if members <= arrived | dead or now - changed_at >= self.last_call_s:
                 self._close(generation, count)
                 continue
             if now > deadline:
                 raise MembershipError(f"generation {generation} did not close within {self.timeout_s:g} s "
                                       f"({count} worker(s) arrived)")
             time.sleep(self.poll_s)
+
+    def _arrivals(self, generation: int, first: int, last: int) -> set[str]:
+        """The uids of arrivals ``first`` to ``last`` whose entries are written (one being written is read later:
+        its counter moved first)."""
+        uids = set()
+        for index in range(first, last + 1):
+            key = self._key(generation, f"arrival/{index}")
+            if self.store.check([key]):
+                uids.add(self.store.get(key).decode().partition(":")[2])
+        return uids
+
+    def _refuses(self, uid: str) -> bool:
+        """Whether ``uid``'s liveness socket refuses a connection: its process is gone. A member that does not
+        answer within the last call (its node unreachable) or has no address yet is not known dead."""
+        now = time.monotonic()
+        if now - self._probed.get(uid, -1.0) < PROBE_EVERY_S:
+            return False
+        self._probed[uid] = now
+        address = self._addresses.get(uid)
+        if address is None:
+            key = f"{PREFIX}addr/{uid}"
+            if not self.store.check([key]):
+                return False
+            host, _, port = self.store.get(key).decode().rpartition(":")
+            address = self._addresses[uid] = (host, int(port))
+        try:
+            with socket.create_connection(address, timeout=self.last_call_s):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+
+    def _answer_probes(self) -> None:
+        """Accept and drop the peers' probes waiting on the liveness socket (the kernel completed them already;
+        this only keeps its queue short)."""
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            connection.close()
 
     def _close(self, generation: int, count: int) -> None:
         """Propose the first ``count`` arrivals as the members (an arrival whose entry does not appear within

@@ -77,6 +77,18 @@ def test_the_survivors_of_a_lost_worker_agree_on_a_generation_without_it_keeping
     del a
 
 
+def test_a_member_whose_process_is_gone_is_left_out_at_once_not_after_the_last_call(server: dist.TCPStore) -> None:
+    """"c"'s liveness socket is closed (as the kernel closes it when the process dies): "a" and "b" close
+    generation 1 without it long before a last call of 60 s; a member that is alive but silent is waited for."""
+    a, b, c = launch(server, ["a", "b", "c"], last_call_s=60)
+    c.close()
+    with watching([b]):
+        started = time.monotonic()
+        went_on = a.next("c's connection closed")
+        assert wait_changed(b).members == went_on.members == ("a", "b")
+    assert time.monotonic() - started < 30
+
+
 def test_when_every_member_arrives_the_generation_closes_without_waiting_for_the_last_call(
         server: dist.TCPStore) -> None:
     workers = launch(server, ["a", "b", "c"], last_call_s=60)

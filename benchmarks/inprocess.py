@@ -1,0 +1,241 @@
+"""What a lost worker costs the survivors: the restart path against in-process re-formation, side by side.
+
+How to run:
+  .venv/bin/python benchmarks/inprocess.py [--repeats 3] [--build-s 0,10] [--steps 70] [--dies-at 60]
+
+Three gloo workers on this machine train the same hand-written DDP loop on the runtime (an MLP, replicas in node
+memory every step, no checkpoints) and meet on a TCPStore this script hosts (it outlives every worker, as etcd
+does). Before the loop each worker spends ``--build-s`` seconds building (a sleep standing for a model build,
+moving it to a device, or ``torch.compile``). Rank 2 kills itself (``os._exit``) at step ``--dies-at``; the time
+it dies is the start of the fault. Then:
+
+  restart     the survivors' step fails; each keeps its live state in node memory (the rescue) and exits
+              peer-lost, as under the torchrun agent; this script then starts two new workers (a world of 2),
+              which build, form a group, restore from the rescue and train on;
+  in-process  the survivors agree on the next membership on the store (elastic_ddp.membership), re-form the
+              group in their own process (Runtime.reform) and train on with their live state.
+
+For each arm and build time: the fault to the survivors' next completed step (the later of the two), steps
+redone, whether both survivors' process ids are those of the start, and the median step time before the fault
+(the in-process arm's includes its membership watcher, which polls the store). Medians over the repeats with
+min-max; arms alternate in each repeat, so drift of the machine hits both. Every worker of both arms is a fork
+of one process that imported torch and the runtime already, as the fork server's are under torchrun
+(``-m elastic_ddp.prefork``). This is not torchrun: the restart arm leaves out the agents' rendezvous round and
+their polling (see the restart rows in docs/performance.md), so it is a lower bound of what the restart path
+costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from elastic_ddp.prefork import PRELOAD  # noqa: E402  (imports no torch)
+from elastic_ddp.resilience.exits import ExitReason  # noqa: E402
+SAMPLES, BATCH = 960, 48
+ARMS = ("restart", "in-process")
+
+
+def worker(arm: str, rank: int, world_size: int, attempt: int, port: int, work: str, build_s: float, dies_at: int,
+           steps: int) -> None:
+    """One worker's run (a child of the warm fork server); writes ``report-<attempt>-<rank>.json`` to ``work``: its
+    pid, the steps it trained with their end times and the step it went on from after the fault (or resumed from,
+    after a restart); exits with the runtime's exit status."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic_ddp.config import CheckpointConfig
+    from elastic_ddp.data import ElasticSampler
+    from elastic_ddp.events import EventLog
+    from elastic_ddp.membership import Generations
+    from elastic_ddp.runtime import Runtime
+
+    started_at = time.time()
+    time.sleep(build_s)  # the build: a model moved to a device, compiled graphs
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(SAMPLES, 64), torch.randn(SAMPLES, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=60))
+    generations = None
+    if arm == "in-process":
+        generations = Generations(store, f"worker{rank}", timeout_s=60)
+        generations.first(rank, world_size)
+        generations.start_watch()
+    joining_at = time.time()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"elastic_ddp/membership-{attempt * 100}/", store),
+                            rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    joined_at = time.time()
+    sampler = ElasticSampler(SAMPLES, global_batch_size=BATCH, seed=0, rank=rank, world_size=world_size)
+    events = EventLog(os.path.join(work, "logs"), run_id="inprocess-bench", rank=rank)
+    config = CheckpointConfig(dir=os.path.join(work, "ckpt"), every=0, replica_every=1, replica_budget=0,
+                              replica_dir=os.path.join(work, f"node{rank}"), save_final=False)  # a node each
+    trained: list[tuple[int, float]] = []
+    failed_at = agreed_at = reformed_at = wrapped_at = None
+    after_fault: list[float] = []  # end times of the steps trained in the membership after the fault
+    went_on_from = None
+    with Runtime.for_loop(model=model, optimizer=optimizer, sampler=sampler, events=events, seed=1,
+                          checkpoint=config) as runtime:
+        step = runtime.restore()
+        restored_at = time.time()
+        if attempt:
+            went_on_from = step
+        ddp = DistributedDataParallel(model)
+        while step < steps:
+            if rank == 2 and step == dies_at:
+                Path(work, "died").write_text(repr(time.time()))
+                os._exit(9)
+            try:
+                plan = sampler.plan()
+                (ids,) = sampler.local_micro_batches(plan)
+                loss = (ddp(inputs[ids]) - targets[ids]).pow(2).sum() * sampler.loss_scale(plan)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                sampler.commit(plan)
+                step += 1
+                runtime.after_step(step)
+                trained.append((step, time.time()))
+                if went_on_from is not None:
+                    after_fault.append(trained[-1][1])
+            except RuntimeError:
+                if generations is None:
+                    raise  # the runtime keeps the live state and ends the process peer-lost
+                optimizer.zero_grad()
+                failed_at = time.time()
+                agreed = generations.next("a collective failed")
+                agreed_at = time.time()
+                runtime.reform(store, rank=agreed.rank, world_size=agreed.world_size, generation=agreed.generation,
+                               backend="gloo", device=torch.device("cpu"), timeout_s=60)
+                reformed_at = time.time()
+                ddp = DistributedDataParallel(model)
+                wrapped_at = time.time()
+                step = went_on_from = runtime.state.counters.step
+    if generations is not None:
+        generations.close()
+    Path(work, f"report-{attempt}-{rank}.json").write_text(json.dumps(
+        {"pid": os.getpid(), "trained": trained, "went_on_from": went_on_from, "started_at": started_at,
+         "restored_at": restored_at, "ended_at": time.time(), "joining_at": joining_at, "joined_at": joined_at,
+         "after_fault": after_fault, "failed_at": failed_at, "agreed_at": agreed_at, "reformed_at": reformed_at,
+         "wrapped_at": wrapped_at}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(runtime.exit_status or 0)
+
+
+def start(context: BaseContext, arm: str, rank: int, world_size: int, attempt: int, port: int, work: Path,
+          args: argparse.Namespace, build_s: float) -> BaseProcess:
+    process = context.Process(target=worker, args=(arm, rank, world_size, attempt, port, str(work), build_s,
+                                                   args.dies_at, args.steps))
+    process.start()
+    return process
+
+
+def finish(process: BaseProcess, work: Path, attempt: int, rank: int, timeout: float) -> tuple[int | None, dict | None]:
+    process.join(timeout)
+    report = work / f"report-{attempt}-{rank}.json"
+    return process.exitcode, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def one_run(context: BaseContext, arm: str, build_s: float, args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    work = Path(tempfile.mkdtemp(prefix="elastic-ddp-inprocess-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    try:
+        first = [start(context, arm, rank, 3, 0, store.port, work, args, build_s) for rank in range(3)]
+        ends = [finish(process, work, 0, rank, 300 + 2 * build_s) for rank, process in enumerate(first)]
+        died_at = float((work / "died").read_text())
+        expected = ExitReason.PEER_LOST.status if arm == "restart" else 0
+        if [status for status, _ in ends] != [expected, expected, 9] or any(r is None for _, r in ends[:2]):
+            raise SystemExit(f"{arm} arm: the workers' exits were {[status for status, _ in ends]} (see their log)")
+        survivors = [report for _, report in ends[:2]]
+        if arm == "restart":
+            second = [start(context, arm, rank, 2, 1, store.port, work, args, build_s) for rank in range(2)]
+            ends = [finish(process, work, 1, rank, 300 + 2 * build_s) for rank, process in enumerate(second)]
+            if [status for status, _ in ends] != [0, 0]:
+                raise SystemExit(f"restart arm: the restarted workers' exits were {[status for status, _ in ends]}")
+            after = [report for _, report in ends]
+            traces = [a["trained"] + b["trained"] for a, b in zip(survivors, after, strict=False)]
+        else:
+            after = survivors
+            traces = [report["trained"] for report in survivors]
+        pids = [report["pid"] for report in after]
+        next_step = max(report["after_fault"][0] for report in after) - died_at
+        redone = max(len(trace) - len({step for step, _ in trace}) for trace in traces)
+        before = sorted(b - a for report in survivors for (_, a), (_, b) in
+                        zip(report["trained"], report["trained"][1:], strict=False) if b < died_at)
+        phases = {"survivors_ended": max(report["ended_at"] for report in survivors) - died_at,
+                  "restarted": min(report["started_at"] for report in after) - died_at,
+                  "joining": max(report["joining_at"] for report in after) - died_at,
+                  "joined": max(report["joined_at"] for report in after) - died_at,
+                  "restored": max(report["restored_at"] for report in after) - died_at} if arm == "restart" else {
+                      name: max(report[f"{name}_at"] for report in after) - died_at
+                      for name in ("failed", "agreed", "reformed", "wrapped")}
+        return {"next_step_s": next_step, "redone": redone, **phases,
+                "pids_kept": pids == [process.pid for process in first[:2]],
+                "step_s": statistics.median(before[2:]) if len(before) > 2 else float("nan")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def spread(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--build-s", default="0,10", help="comma-separated build times to run (seconds)")
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--dies-at", type=int, default=60)
+    args = parser.parse_args()
+    if args.repeats < 1 or not 2 < args.dies_at < args.steps:
+        parser.error("need --repeats >= 1 and 2 < --dies-at < --steps")
+    builds = [float(value) for value in args.build_s.split(",")]
+    # every worker is a fork of one process that imported torch and the runtime already (as the fork server
+    # does under torchrun), so neither arm pays the imports
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["__main__", *PRELOAD, "elastic_ddp.membership"])
+    results: dict[tuple[str, float], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for build_s in builds:
+            for arm in ARMS if repeat % 2 == 0 else reversed(ARMS):
+                result = one_run(context, arm, build_s, args)
+                results.setdefault((arm, build_s), []).append(result)
+                print(f"repeat {repeat + 1}, build {build_s:g} s, {arm}: {json.dumps(result)}", file=sys.stderr,
+                      flush=True)
+    print("| build (s) | arm | fault → survivors' next step (s) | steps redone | survivors' pids kept | step before (ms) |")
+    print("|---|---|---|---|---|---|")
+    for build_s in builds:
+        for arm in ARMS:
+            runs = results[(arm, build_s)]
+            print(f"| {build_s:g} | {arm} | {spread([run['next_step_s'] for run in runs])} | "
+                  f"{spread([run['redone'] for run in runs], 0)} | {sum(run['pids_kept'] for run in runs)}/{len(runs)} | "
+                  f"{spread([1000 * run['step_s'] for run in runs], 1)} |")
+    for build_s in builds:
+        restart, inproc = results[("restart", build_s)], results[("in-process", build_s)]
+        ratio = [b["step_s"] / a["step_s"] for a, b in zip(restart, inproc, strict=False)]
+        print(f"build {build_s:g} s: next step in-process/restart "
+              f"{statistics.median(b['next_step_s'] for b in inproc) / statistics.median(a['next_step_s'] for a in restart):.3f}x; "
+              f"step time before the fault in-process/restart {spread(ratio, 3)}x")
+
+
+if __name__ == "__main__":
+    main()
