@@ -18,7 +18,9 @@ old rank order; then newcomers in arrival order), so rank 0 stays rank 0 while i
 Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
 counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``closed`` (the
 member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
-``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``).
+``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``) and
+``elastic_ddp/generations/latest`` the newest closed generation a closer wrote (a hint: a worker that joins a
+running job reads on from it).
 Only ``TCPStore`` semantics are used (``add``, ``compare_set``, ``check``, ``get``), so the launch's TCPStore and
 the etcd-backed store (:mod:`elastic_ddp.rendezvous.store`) both serve (docs/design.md, "In-process recovery").
 """
@@ -104,6 +106,9 @@ class Generations:
             raise MembershipError(f"the launch's {world_size} workers did not all publish their uid within "
                                   f"{self.timeout_s:g} s") from exc
         self.current = Membership(0, members, self.uid)
+        if rank == 0:  # generation 0 is closed as the launch formed it: a joiner reads it like any other
+            self.store.compare_set(self._key(0, "closed"), "", "\n".join(members))
+            self.store.compare_set(f"{PREFIX}latest", "", "0")
         return self.current
 
     # -- a change ------------------------------------------------------------
@@ -127,6 +132,33 @@ class Generations:
                         generation + 1)
             generation += 1
 
+    def join(self, reason: str = "joining") -> Membership:
+        """A worker that was not in the launch (a new node, a restarted worker): find the running generation and
+        arrive at the next one, which its members' watchers join at once; the membership that holds this worker.
+
+        Raises :class:`MembershipError` when no generation is running (the store holds none)."""
+        if self.current is not None:
+            raise RuntimeError("Generations.join() is for a worker without a membership")
+        running = self._running()
+        if running is None:
+            raise MembershipError("no membership is running on this store to join")
+        self.current = Membership(running[0], running[1], self.uid)
+        return self.next(reason)
+
+    def _running(self) -> tuple[int, tuple[str, ...]] | None:
+        """The newest closed generation and its members (``latest`` is a hint: generations closed after it are
+        found by reading on)."""
+        latest = f"{PREFIX}latest"
+        if not self.store.check([latest]):
+            return None
+        generation = int(self.store.get(latest).decode())
+        members = self._closed(generation)
+        if members is None:
+            return None
+        while (newer := self._closed(generation + 1)) is not None:
+            generation, members = generation + 1, newer
+        return generation, members
+
     def changed(self) -> Membership | None:
         """A newer membership that holds this worker, closed while this worker trained (its watcher arrived):
         call at every step boundary; every member goes on in it. None: no change."""
@@ -134,6 +166,12 @@ class Generations:
             newer = self._newer
         current = self.current
         return newer if newer is not None and current is not None and newer.generation > current.generation else None
+
+    def news(self) -> int:
+        """:meth:`changed` as a number, for the runtime's agreement (``runtime.follow(generations.news)``): the
+        newer membership's generation, 0 if none."""
+        newer = self.changed()
+        return newer.generation if newer is not None else 0
 
     def _adopt(self, membership: Membership) -> Membership:
         with self._lock:
@@ -148,13 +186,21 @@ class Generations:
         """Arrive at every generation opened after the current one as soon as it opens (a daemon thread)."""
         self._require_current()
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="elastic-ddp-membership", daemon=True)
+            self._watcher = threading.Thread(target=self._watch, args=(self._stop,), name="elastic-ddp-membership",
+                                             daemon=True)
             self._watcher.start()
 
-    def close(self) -> None:
+    def stop_watch(self) -> None:
+        """Stop the watcher thread (this worker then arrives only when its training thread calls :meth:`next`)."""
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5 * self.watch_poll_s + 1)
+        self._watcher = None
+        self._stop = threading.Event()
+
+    def close(self) -> None:
+        """Stop the watcher and close the liveness socket: to its peers, this worker is gone."""
+        self.stop_watch()
         self._listener.close()
 
     def __enter__(self) -> Generations:
@@ -163,15 +209,15 @@ class Generations:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _watch(self) -> None:
+    def _watch(self, stop: threading.Event) -> None:
         generation = self._require_current().generation + 1
-        while not self._stop.is_set():
+        while not stop.is_set():
             current = self._require_current()
             generation = max(generation, current.generation + 1)
             self._answer_probes()
             try:
                 if not self.store.check([self._key(generation, "open")]):
-                    self._stop.wait(self.watch_poll_s)
+                    stop.wait(self.watch_poll_s)
                     continue
                 membership = self._arrive_and_wait(generation, time.monotonic() + self.timeout_s)
             except (dist.DistError, RuntimeError, OSError) as exc:  # the store is gone: the training thread says so
@@ -271,7 +317,9 @@ class Generations:
             survivor = int(old_rank) >= 0  # survivors first, in their old order; then newcomers as they came
             entries.append(((0, int(old_rank)) if survivor else (1, index), uid))
         members = [uid for _, uid in sorted(entries)]
-        self.store.compare_set(self._key(generation, "closed"), "", "\n".join(members))
+        agreed = self.store.compare_set(self._key(generation, "closed"), "", "\n".join(members))
+        if agreed == "\n".join(members).encode():
+            self.store.set(f"{PREFIX}latest", str(generation))  # a hint for joiners (see _running)
 
     def _closed(self, generation: int) -> tuple[str, ...] | None:
         key = self._key(generation, "closed")

@@ -150,6 +150,10 @@ class Lifecycle(enum.Enum):
     """Every part is stopped; the exit status is set when the ``with`` block ended."""
 
 
+JOINING = -1
+"""The step a joining worker brings to a re-formation's step check (:meth:`Runtime.join`): none."""
+
+
 class ProcessGuards:
     """What lives as long as the process: stop requests (signal handlers), the spot notice poller, the hang
     watchdog and the group watch. Built in one place (here), started at once, closed by :meth:`close`."""
@@ -244,6 +248,8 @@ class Runtime:
         """The process's parts, while the runtime is entered."""
         self.world: World | None = None
         """This membership's parts, while the runtime is entered."""
+        self._news: Callable[[], int] | None = None
+        """What a loop that follows a membership is told of it (:meth:`follow`)."""
         self.phase = StepPhase.BETWEEN
         """Where the training thread is in its step (a rescue needs a complete state; set by hooks)."""
         self.exit_status: int | None = None
@@ -353,9 +359,11 @@ class Runtime:
         self.lifecycle = Lifecycle.OPEN
 
     def _form_world(self, guards: ProcessGuards) -> World:
-        return World(checkpoint=self.checkpoint, resilience=self.resilience,
-                     collective_timeout_s=self.collective_timeout_s, events=self.events,
-                     watchdog=guards.watchdog, stop=guards.stop, sample_ledger=self.sample_ledger)
+        world = World(checkpoint=self.checkpoint, resilience=self.resilience,
+                      collective_timeout_s=self.collective_timeout_s, events=self.events,
+                      watchdog=guards.watchdog, stop=guards.stop, sample_ledger=self.sample_ledger)
+        world.agreement.news = self._news
+        return world
 
     def _track_step_phase(self) -> None:
         """A training forward begins the step's forward phase, the optimizer's step its update phase; the
@@ -456,7 +464,7 @@ class Runtime:
         self.begin()
 
     def reform(self, store: dist.Store, *, rank: int, world_size: int, generation: int, backend: str,
-               device: torch.device, timeout_s: float) -> Reformed:
+               device: torch.device, timeout_s: float, joined: bool = False) -> Reformed:
         """Go on in a new membership in this process, after a peer's loss or a join (docs/design.md, "Failure
         semantics", In-process recovery): the broken group is given up and this membership's world closed, the
         next membership's group formed (:func:`elastic_ddp.distributed.form_membership_group`; every member calls this
@@ -466,12 +474,18 @@ class Runtime:
         its committed position. Wrap the model in a new ``DistributedDataParallel`` and make a new loader
         iterator afterwards; the step to go on from is ``state.counters.step``.
 
+        ``joined``: the change is a worker joining (``Decision.membership``), whose :meth:`join` is the other
+        side: the live state is first kept in node memory as a replica of this membership, and every member
+        loads it so that the newcomer receives it over the group.
+
         Raises:
             DistributedInitError: the new group was not formed within ``timeout_s``.
         """
         world, guards = self._require_restored("reform"), self._open_guards()
         kept = why_not_kept(self._live_state())
         before = world.world_size
+        if joined and kept is None:  # in the membership it belongs to, with that world size
+            world.rescue(self.state, self._live_state())
         started = time.perf_counter()
         abandoned = abandon_group()  # first: a save in flight on the old groups then fails at once, not waits
         self.world = None
@@ -483,17 +497,46 @@ class Runtime:
         self.world = self._form_world(guards)
         self.phase = StepPhase.BETWEEN
         lowest, highest = step_spread(self.state.counters.step, self.world.agreement.group)
-        if kept is None and lowest != highest:  # one member's step ended, another's failed: no live state is common
-            kept = f"the members ended the last membership on steps {lowest} to {highest}"
-        if kept is None:
+        if kept is None and lowest == highest:
             self.world.go_on(self.state, before)
         else:
-            logger.warning("rank %d: the live state is not kept in the new membership (%s): loading the newest replica "
-                           "or checkpoint", rank, kept)
+            if kept is None and lowest == JOINING and not joined:  # one joined as a peer was lost: it gets this state
+                self.world.rescue(self.state, self._live_state())  # through the replicas
+            elif kept is None:  # one member's step ended, another's failed: no live state is common
+                kept = f"the members ended the last membership on steps {lowest} to {highest}"
+            if kept is not None:
+                logger.warning("rank %d: the live state is not kept in the new membership (%s): loading the newest "
+                               "replica or checkpoint", rank, kept)
             self.watchdog.enter(Phase.CHECKPOINT)
             self.world.restore(self.state)
         self._train_from(self.state.counters.step)
         return Reformed(abandoned=abandoned, abandon_s=abandon_s, form_s=form_s)
+
+    def follow(self, news: Callable[[], int]) -> None:
+        """Agree on membership changes at step boundaries: ``news`` answers the generation of a newer membership
+        this worker was told of, 0 if none (:meth:`elastic_ddp.membership.Generations.news`); every rank's answer
+        goes into the stop agreement, and :attr:`Decision.membership <elastic_ddp.resilience.agreement.Decision>`
+        then names it on every rank at one step, where the loop calls :meth:`reform`. Without it a member would
+        leave its group while a peer is still in a collective of it."""
+        self._news = news
+        if self.world is not None:
+            self.world.agreement.news = news
+
+    def join(self) -> int:
+        """Restore as a worker that joins a running membership, instead of :meth:`restore`: the membership was
+        agreed (:meth:`elastic_ddp.membership.Generations.join`) and this process's group formed
+        (:func:`elastic_ddp.distributed.form_membership_group`) before the runtime was entered. The members
+        are in :meth:`reform` meanwhile: they keep their live state in node memory, and every member, this one
+        included, loads the newest replica, which reaches this worker over the group. The step to train from.
+
+        Raises what :meth:`restore` raises."""
+        world = self._open_world("join")
+        self.watchdog.enter(Phase.CHECKPOINT)
+        step_spread(JOINING, world.agreement.group)
+        step = world.restore(self.state)
+        self.lifecycle = Lifecycle.TRAINING
+        self._train_from(step)
+        return step
 
     def begin(self) -> None:
         """Mark the start of training (the trainer, after its loader forked its workers): the first step's time

@@ -25,6 +25,7 @@ A hand-written loop asks once per step::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,13 +55,16 @@ class Decision:
     """Some rank's time-based save clock ran out: every rank saves at this step."""
     save_failed: bool = False
     """Some rank's background save failed: every rank reports it and stops at this step."""
+    membership: int = 0
+    """The generation of a newer membership some rank was told of (a worker joined, see
+    :mod:`elastic_ddp.membership`): every rank goes on in it from this step boundary. 0: none."""
 
 
-def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False) -> Decision:
+def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False, membership: int = 0) -> Decision:
     """The decision from the agreed flags (pure)."""
     if not stop_any:
-        return Decision(None, save_any, failed_any)
-    return Decision(ExitReason.PREEMPTED if asked_here else ExitReason.PEER_LOST, save_any, failed_any)
+        return Decision(None, save_any, failed_any, membership)
+    return Decision(ExitReason.PREEMPTED if asked_here else ExitReason.PEER_LOST, save_any, failed_any, membership)
 
 
 class PhaseMarker(Protocol):
@@ -100,6 +104,9 @@ class StopAgreement:
         self.events = events or EventLog.off()
         self._reported: set[Event] = set()
         """The stop events already written (each once: a loop that goes on asking adds nothing)."""
+        self.news: Callable[[], int] | None = None
+        """The generation of a newer membership this rank was told of, 0 if none (the runtime sets it when a
+        loop follows a membership); agreed like a stop, so every rank changes membership at one step."""
 
     @property
     def reason(self) -> str | None:
@@ -122,17 +129,18 @@ class StopAgreement:
             self.events.emit(kind, **fields)
 
     def _decide(self, step: int, step_time: float, save_due: bool, save_failed: bool) -> Decision:
+        news = self.news() if self.news is not None else 0
         if self.world_size == 1:
-            return decide(self.requests.requested, save_due, self.requests.requested, save_failed)
+            return decide(self.requests.requested, save_due, self.requests.requested, save_failed, news)
         decision = Decision()
         pending, self._pending = self._pending, None
         if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
             flags = self._wait_for(pending)
-            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested, bool(flags[2]))
+            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested, bool(flags[2]), int(flags[4]))
             self._next = step - int(flags[3]) - 1
         if step >= self._next:
             steps = agreement_interval(step_time, self.interval_s)
-            flags = torch.tensor([self.requests.requested, save_due, save_failed, -steps], dtype=torch.int32)
+            flags = torch.tensor([self.requests.requested, save_due, save_failed, -steps, news], dtype=torch.int32)
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (flags, work)
         return decision

@@ -61,3 +61,42 @@ def test_survivors_of_a_lost_peer_agree_on_the_next_membership_and_go_on_in_thei
     assert went_on["pid"] == ranks[survivors[0]].pid, went_on
     assert (went_on["source"], went_on["saved_world_size"], went_on["world_size"]) == ("live", 3, 2), went_on
     assert went_on["step"] in (5, 6), went_on  # the last step every rank completed, or the one the agreement closed
+
+
+JOIN = Path(__file__).resolve().parents[1] / "fixtures" / "inprocess_join.py"
+JOIN_STEPS, JOIN_SAMPLES = 60, 240
+
+
+def test_a_worker_that_joins_a_running_membership_enters_at_a_step_boundary_and_the_members_keep_their_process(
+        tmp_path: Path) -> None:
+    """Two members train; a newcomer builds while they do, joins (generation 1, ranked last), and receives the
+    members' state of the step where they let it in, over the group: nobody redoes a step, the members keep their
+    processes, and all three end with the uninterrupted run's data and one model."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, str(JOIN), str(rank), str(store.port), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1, 2)]
+    try:
+        outs = [process.communicate(timeout=120) for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    assert [process.returncode for process in ranks] == [0, 0, 0], [err[-3000:] for _, err in outs]
+    ends = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    sampler = ElasticSampler(JOIN_SAMPLES, global_batch_size=BATCH, seed=0, rank=0, world_size=1)
+    for _ in range(JOIN_STEPS):
+        sampler.commit(sampler.plan())
+    joined_at = ends[2]["resumed"]
+    assert 5 <= joined_at < JOIN_STEPS, ends[2]
+    for rank, (end, process) in enumerate(zip(ends, ranks, strict=True)):
+        assert end["pid"] == end["pid_at_end"] == process.pid
+        assert (end["generation"], end["rank"], end["world_size"]) == (1, rank, 3), end
+        expected = list(range(1, JOIN_STEPS + 1)) if rank < 2 else list(range(joined_at + 1, JOIN_STEPS + 1))
+        assert end["step"] == JOIN_STEPS and end["trained"] == expected, end  # none redone, none skipped
+        assert end["data_digest"] == sampler.data_digest
+    assert len({end["model_digest"] for end in ends}) == 1
+    newcomer = [event for event in events(tmp_path / "logs", "resumed") if event["pid"] == ranks[2].pid]
+    assert [(event["source"], event["step"], event["saved_world_size"], event["world_size"]) for event in newcomer] == [
+        ("replica", joined_at, 2, 3)], newcomer
+    assert newcomer[0]["path"].startswith("replica of step"), newcomer  # from a member, over the group

@@ -13,6 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.membership import Generations, Membership, MembershipError, describe
+from elastic_ddp.resilience.agreement import Decision, StopAgreement, decide
+from elastic_ddp.resilience.stop import StopRequests
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def watching(workers: list[Generations]) -> Iterator[None]:
         yield
     finally:
         for worker in workers:
-            worker.close()
+            worker.stop_watch()
 
 
 def wait_changed(worker: Generations, timeout_s: float = 30) -> Membership:
@@ -110,14 +112,28 @@ def test_a_worker_arriving_after_the_close_opens_the_next_generation_and_every_m
         assert wait_changed(a) == Membership(2, ("a", "b"), "a")
 
 
-def test_a_newcomer_is_ranked_after_every_survivor(server: dist.TCPStore) -> None:
-    a, b = launch(server, ["a", "b"], last_call_s=0.05)
-    newcomer = Generations(client(server), "n", last_call_s=0.05)
-    newcomer.current = Membership(0, ("a", "b"), "n")  # knows the running generation, is not in it
+def test_a_newcomer_joins_the_running_generation_and_is_ranked_after_every_member(server: dist.TCPStore) -> None:
+    """A worker that was not in the launch finds the running generation (here the one after a loss, so the
+    hint is followed) and arrives at the next; the members' watchers arrive at once, so it closes without the
+    last call; the members keep their order and the newcomer comes last."""
+    a, b, c = launch(server, ["a", "b", "c"], last_call_s=60)
+    c.close()  # c's process is gone
+    with watching([b]):
+        assert a.next("c's connection closed").members == ("a", "b")
+        assert wait_changed(b).members == ("a", "b")
+        b.next("adopting")
+    newcomer = Generations(client(server), "n", last_call_s=60)
     with watching([a, b]):
-        joined = newcomer.next("joining")
-        assert joined.members == ("a", "b", "n") and joined.rank == 2
+        started = time.monotonic()
+        joined = newcomer.join()
+        assert (joined.generation, joined.members, joined.rank) == (2, ("a", "b", "n"), 2)
         assert [wait_changed(worker).rank for worker in (a, b)] == [0, 1]
+    assert time.monotonic() - started < 30
+
+
+def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.TCPStore) -> None:
+    with pytest.raises(MembershipError, match="no membership is running"):
+        Generations(client(server), "n").join()
 
 
 def test_a_launch_whose_peer_never_publishes_is_a_membership_error_in_time(server: dist.TCPStore) -> None:
@@ -137,3 +153,16 @@ def test_a_uid_that_cannot_be_stored_is_refused(server: dist.TCPStore, uid: str)
 def test_describe_names_who_left_and_who_joined() -> None:
     before, after = Membership(0, ("a", "b", "c"), "a"), Membership(1, ("a", "c", "n"), "a")
     assert describe(after, before) == "generation 1: 3 worker(s) (was 3; left: b; joined: n)"
+
+
+def test_the_stop_agreement_carries_the_newest_membership_a_rank_was_told_of() -> None:
+    """Alone in its world the agreement needs no collective: what ``news`` answers is the decision; with peers
+    the answers meet in the agreement's MAX all-reduce (tests/integration/test_inprocess.py)."""
+    assert decide(False, False, False, False, 3) == Decision(None, False, False, 3)
+    told = [0]
+    agreement = StopAgreement(world_size=1, requests=StopRequests())
+    agreement.news = lambda: told[0]
+    assert agreement.after_step(1, 0.1).membership == 0
+    told[0] = 2
+    assert agreement.after_step(2, 0.1).membership == 2
+    agreement.close()
