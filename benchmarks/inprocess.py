@@ -2,6 +2,7 @@
 
 How to run:
   .venv/bin/python benchmarks/inprocess.py [--repeats 3] [--build-s 0,10] [--steps 70] [--dies-at 60]
+      [--parts fault,join] [--join-build-s 10] [--overhead-rounds 6]
 
 Three gloo workers on this machine train the same hand-written DDP loop on the runtime (an MLP, replicas in node
 memory every step, no checkpoints) and meet on a TCPStore this script hosts (it outlives every worker, as etcd
@@ -140,6 +141,150 @@ def worker(arm: str, rank: int, world_size: int, attempt: int, port: int, work: 
     sys.exit(runtime.exit_status or 0)
 
 
+READY = "benchmark/members-reached-the-join-step"
+
+
+def join_worker(role: str, rank: int, port: int, work: str, build_s: float, steps: int, join_after: int) -> None:
+    """A member of two ("member", or "alone" without a membership watcher) or the newcomer that builds while
+    they train and joins at a step boundary ("newcomer"); writes ``report-join-<rank>.json``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from elastic_ddp.config import CheckpointConfig
+    from elastic_ddp.data import ElasticSampler
+    from elastic_ddp.distributed import form_membership_group
+    from elastic_ddp.events import EventLog
+    from elastic_ddp.membership import Generations
+    from elastic_ddp.runtime import Runtime
+
+    started_at = time.time()
+    store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=120))
+    generations = Generations(store, f"worker{rank}", timeout_s=120)
+    if role == "newcomer":
+        store.wait([READY])
+        started_at = time.time()
+        time.sleep(build_s)  # built while the members train
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(SAMPLES, 64), torch.randn(SAMPLES, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if role == "newcomer":  # warm up (as a compiled model would be) before the members wait on it
+        (model(inputs[:BATCH]) - targets[:BATCH]).pow(2).sum().backward()
+        model.zero_grad(set_to_none=True)
+    marks = {"built": time.time()}
+    if role == "newcomer":
+        membership = generations.join()
+        marks["agreed"] = time.time()
+        form_membership_group(store, rank=membership.rank, world_size=membership.world_size,
+                              generation=membership.generation, backend="gloo", device=torch.device("cpu"),
+                              timeout_s=120, abandoned="none")
+    else:
+        membership = generations.first(rank, 2)
+        dist.init_process_group("gloo", store=dist.PrefixStore("elastic_ddp/membership-0/", store), rank=rank,
+                                world_size=2, timeout=timedelta(seconds=120))
+    if role != "alone":
+        generations.start_watch()
+    sampler = ElasticSampler(SAMPLES, global_batch_size=BATCH, seed=0, rank=membership.rank,
+                             world_size=membership.world_size)
+    config = CheckpointConfig(dir=os.path.join(work, "ckpt"), every=0, replica_every=1, replica_budget=0,
+                              replica_dir=os.path.join(work, f"node{rank}"), save_final=False)
+    trained: list[tuple[int, float]] = []
+    with Runtime.for_loop(model=model, optimizer=optimizer, sampler=sampler, seed=1, checkpoint=config,
+                          events=EventLog(os.path.join(work, "logs"), run_id="join-bench", rank=rank)) as runtime:
+        if role != "alone":
+            runtime.follow(generations.news)
+        marks["formed"] = time.time()
+        step = runtime.join() if role == "newcomer" else runtime.restore()
+        marks["restored"] = time.time()
+        ddp = DistributedDataParallel(model)
+        while step < steps:
+            plan = sampler.plan()
+            (ids,) = sampler.local_micro_batches(plan)
+            loss = (ddp(inputs[ids]) - targets[ids]).pow(2).sum() * sampler.loss_scale(plan)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            sampler.commit(plan)
+            step += 1
+            decision = runtime.after_step(step)
+            trained.append((step, time.time()))
+            if rank == 0 and step == join_after:
+                store.set(READY, "1")
+            if decision.membership and step < steps:
+                agreed = generations.next("a worker joined")
+                runtime.reform(store, rank=agreed.rank, world_size=agreed.world_size, generation=agreed.generation,
+                               backend="gloo", device=torch.device("cpu"), timeout_s=120, joined=True)
+                ddp = DistributedDataParallel(model)
+    generations.close()
+    Path(work, f"report-join-{rank}.json").write_text(json.dumps({"trained": trained, "started_at": started_at,
+                                                                  "marks": marks}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def join_run(context: BaseContext, args: argparse.Namespace, build_s: float, roles: tuple[str, ...]) -> list[dict]:
+    """One run of ``join_worker`` per role (rank = position); their reports."""
+    import torch.distributed as dist
+
+    work = Path(tempfile.mkdtemp(prefix="elastic-ddp-join-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=120), wait_for_workers=False)
+    try:
+        processes = [context.Process(target=join_worker, args=(role, rank, store.port, str(work), build_s,
+                                                               args.join_steps, args.join_after))
+                     for rank, role in enumerate(roles)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(600)
+        if any(process.exitcode != 0 for process in processes):
+            raise SystemExit(f"join run {roles}: exits {[process.exitcode for process in processes]}")
+        return [json.loads((work / f"report-join-{rank}.json").read_text()) for rank in range(len(roles))]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def step_times(trained: list[list[float]]) -> list[float]:
+    return [b - a for (_, a), (_, b) in zip(trained, trained[1:], strict=False)]
+
+
+def join_part(context: BaseContext, args: argparse.Namespace) -> None:
+    """A newcomer that builds for --join-build-s joins two members: the members' longest step (its start to its
+    end, the re-formation included) against their median step, the newcomer's start to its first step, steps
+    redone; and, without a join, two members with their membership watcher against two without (step time)."""
+    rows = []
+    for repeat in range(args.repeats):
+        members = join_run(context, args, args.join_build_s, ("member", "member", "newcomer"))
+        first_step = members[2]["trained"][0][1] - members[2]["started_at"]
+        gaps = [step_times(report["trained"]) for report in members[:2]]
+        redone = max(len(r["trained"]) - len({step for step, _ in r["trained"]}) for r in members)
+        rows.append({"longest_steps": max(max(g) / statistics.median(g) for g in gaps),
+                     "longest_s": max(max(g) for g in gaps), "median_s": statistics.median(gaps[0]),
+                     "newcomer_first_step_s": first_step, "redone": redone,
+                     **{f"newcomer_{name}_s": at - members[2]["started_at"] for name, at in members[2]["marks"].items()}})
+        print(f"join repeat {repeat + 1}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    print(f"\njoin of a newcomer that builds {args.join_build_s:g} s, {args.repeats} runs:")
+    print(f"  members' longest step: {spread([r['longest_s'] * 1000 for r in rows], 1)} ms = "
+          f"{spread([r['longest_steps'] for r in rows])} median steps (median step "
+          f"{spread([r['median_s'] * 1000 for r in rows], 1)} ms)")
+    print(f"  newcomer, start to first step: {spread([r['newcomer_first_step_s'] for r in rows])} s; steps redone "
+          f"{spread([r['redone'] for r in rows], 0)}")
+    ratios: list[float] = []
+    for repeat in range(args.overhead_rounds):
+        pair = {}
+        for role in (("member", "alone") if repeat % 2 == 0 else ("alone", "member")):
+            reports = join_run(context, args, 0, (role, role))
+            pair[role] = statistics.median(step_times(reports[0]["trained"])[5:])
+        ratios.append(pair["member"] / pair["alone"])
+        print(f"overhead round {repeat + 1}: {json.dumps(pair)}", file=sys.stderr, flush=True)
+    if not ratios:
+        return
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    print(f"  step time with the membership watcher / without: {statistics.median(ratios):.3f}x "
+          f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, {len(ratios)} rounds)")
+
+
 def start(context: BaseContext, arm: str, rank: int, world_size: int, attempt: int, port: int, work: Path,
           args: argparse.Namespace, build_s: float) -> BaseProcess:
     process = context.Process(target=worker, args=(arm, rank, world_size, attempt, port, str(work), build_s,
@@ -206,6 +351,11 @@ def main() -> None:
     parser.add_argument("--build-s", default="0,10", help="comma-separated build times to run (seconds)")
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--dies-at", type=int, default=60)
+    parser.add_argument("--parts", default="fault,join", help="fault (a lost worker), join (a newcomer; overhead)")
+    parser.add_argument("--join-build-s", type=float, default=10.0)
+    parser.add_argument("--join-steps", type=int, default=300)
+    parser.add_argument("--join-after", type=int, default=20)
+    parser.add_argument("--overhead-rounds", type=int, default=6)
     args = parser.parse_args()
     if args.repeats < 1 or not 2 < args.dies_at < args.steps:
         parser.error("need --repeats >= 1 and 2 < --dies-at < --steps")
@@ -214,6 +364,16 @@ def main() -> None:
     # does under torchrun), so neither arm pays the imports
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", *PRELOAD, "elastic_ddp.membership"])
+    parts = set(args.parts.split(","))
+    if not parts <= {"fault", "join"}:
+        parser.error(f"--parts: unknown part(s) {sorted(parts - {'fault', 'join'})}")
+    if "fault" in parts:
+        fault_part(context, args, builds)
+    if "join" in parts:
+        join_part(context, args)
+
+
+def fault_part(context: BaseContext, args: argparse.Namespace, builds: list[float]) -> None:
     results: dict[tuple[str, float], list[dict]] = {}
     for repeat in range(args.repeats):
         for build_s in builds:
