@@ -18,7 +18,8 @@ old rank order; then newcomers in arrival order), so rank 0 stays rank 0 while i
 Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
 counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``closed`` (the
 member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
-``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``) and
+``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``),
+``elastic_ddp/generations/finished/<uid>`` says it ended its training as planned, and
 ``elastic_ddp/generations/latest`` the newest closed generation a closer wrote (a hint: a worker that joins a
 running job reads on from it).
 Only ``TCPStore`` semantics are used (``add``, ``compare_set``, ``check``, ``get``), so the launch's TCPStore and
@@ -39,6 +40,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 PREFIX = "elastic_ddp/generations/"
+LAUNCH_ENV = "ELASTIC_DDP_MEMBERSHIP"
+"""Set by the etcd-v3 handler's in-process mode for its workers: where they meet (:mod:`elastic_ddp.inprocess`)."""
 PROBE_EVERY_S = 0.01
 """The most often one waiter probes one member's liveness socket."""
 
@@ -146,18 +149,7 @@ class Generations:
         return self.next(reason)
 
     def _running(self) -> tuple[int, tuple[str, ...]] | None:
-        """The newest closed generation and its members (``latest`` is a hint: generations closed after it are
-        found by reading on)."""
-        latest = f"{PREFIX}latest"
-        if not self.store.check([latest]):
-            return None
-        generation = int(self.store.get(latest).decode())
-        members = self._closed(generation)
-        if members is None:
-            return None
-        while (newer := self._closed(generation + 1)) is not None:
-            generation, members = generation + 1, newer
-        return generation, members
+        return newest(self.store)
 
     def changed(self) -> Membership | None:
         """A newer membership that holds this worker, closed while this worker trained (its watcher arrived):
@@ -202,6 +194,13 @@ class Generations:
         """Stop the watcher and close the liveness socket: to its peers, this worker is gone."""
         self.stop_watch()
         self._listener.close()
+
+    def finish(self) -> None:
+        """This worker ended its training as planned (not lost): say so, then :meth:`close`. A membership whose
+        members all finished or live is still :func:`alive`, so the rendezvous does not take the end of
+        training for a loss."""
+        self.store.set(f"{PREFIX}finished/{self.uid}", "1")
+        self.close()
 
     def __enter__(self) -> Generations:
         return self
@@ -322,10 +321,7 @@ class Generations:
             self.store.set(f"{PREFIX}latest", str(generation))  # a hint for joiners (see _running)
 
     def _closed(self, generation: int) -> tuple[str, ...] | None:
-        key = self._key(generation, "closed")
-        if not self.store.check([key]):
-            return None
-        return tuple(self.store.get(key).decode().split("\n"))
+        return _closed_list(self.store, generation)
 
     def _old_rank(self) -> int:
         current = self._require_current()
@@ -340,6 +336,50 @@ class Generations:
     @staticmethod
     def _key(generation: int, name: str) -> str:
         return f"{PREFIX}{generation}/{name}"
+
+
+def newest(store: dist.Store) -> tuple[int, tuple[str, ...]] | None:
+    """The newest closed generation on ``store`` and its members; None if none (``latest`` is a hint: the
+    generations closed after it are found by reading on)."""
+    latest = f"{PREFIX}latest"
+    if not store.check([latest]):
+        return None
+    generation = int(store.get(latest).decode())
+    members = _closed_list(store, generation)
+    if members is None:
+        return None
+    while (newer := _closed_list(store, generation + 1)) is not None:
+        generation, members = generation + 1, newer
+    return generation, members
+
+
+def alive(store: dist.Store, timeout_s: float = 1.0) -> bool:
+    """Whether a member of the newest generation on ``store`` still lives (its liveness socket accepts a
+    connection within ``timeout_s``) or finished its training (:meth:`Generations.finish`): for the
+    rendezvous, while one does, the workers go on in-process."""
+    running = newest(store)
+    if running is None:
+        return False
+    for uid in running[1]:
+        if store.check([f"{PREFIX}finished/{uid}"]):
+            return True
+        key = f"{PREFIX}addr/{uid}"
+        if not store.check([key]):
+            continue
+        host, _, port = store.get(key).decode().rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _closed_list(store: dist.Store, generation: int) -> tuple[str, ...] | None:
+    key = f"{PREFIX}{generation}/closed"
+    if not store.check([key]):
+        return None
+    return tuple(store.get(key).decode().split("\n"))
 
 
 def describe(membership: Membership, before: Membership | None) -> str:

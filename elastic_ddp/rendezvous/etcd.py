@@ -44,6 +44,7 @@ TCPStore speed.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import random
@@ -74,11 +75,11 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings
 
-from elastic_ddp import job_end, prefork
+from elastic_ddp import job_end, membership, prefork
 from elastic_ddp.rendezvous import reach
 from elastic_ddp.rendezvous.client import EtcdClient, GrpcEtcdClient
 from elastic_ddp.rendezvous.errors import EtcdAuthError, EtcdConnectionError, EtcdRendezvousError, JobEnded
-from elastic_ddp.rendezvous.lease import LeaseKeeper
+from elastic_ddp.rendezvous.lease import LeaseKeeper, NoLease
 from elastic_ddp.rendezvous.rounds import PLAIN_CLOSE, Formed, Member, Node, RoundRules, Rounds, RoundWatch, node_key
 from elastic_ddp.rendezvous.settings import EtcdRendezvousSettings
 from elastic_ddp.rendezvous.store import EXIT_BARRIER_COUNT, EXIT_BARRIER_DONE, EtcdStore
@@ -280,7 +281,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     """
 
     def __init__(self, node: Node, settings: RendezvousSettings, store: EtcdStore, rounds: Rounds,
-                 reach_timeout: float | None = None, local_addr_given: bool = True) -> None:
+                 reach_timeout: float | None = None, local_addr_given: bool = True,
+                 in_process: InProcess | None = None) -> None:
         if not settings.run_id:
             raise ValueError("The run id must be a non-empty string.")
         if not 1 <= settings.min_nodes <= settings.max_nodes:
@@ -311,12 +313,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """This node's reachability report for a round, being made since the round formed."""
         self._job_end: job_end.JobEnd | None = None
         """Why a worker of this node ended the job (a configuration mistake): what closing the rendezvous says."""
+        self._in_process = in_process
+        """The in-process mode's workers' store and what they need to reach it (``in_process=true``), or None."""
+        self._said_in_process = False
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     @classmethod
     def build(
         cls, settings: EtcdRendezvousSettings, client: EtcdClient, min_nodes: int, max_nodes: int,
-        local_addr: str | None, local_addr_given: bool | None = None,
+        local_addr: str | None, local_addr_given: bool | None = None, config: dict[str, str] | None = None,
     ) -> EtcdRendezvousHandler:
         """The handler of one node on ``client``, its agents' store and its rounds (:mod:`.rounds`)."""
         handler_settings = RendezvousSettings(
@@ -327,13 +332,19 @@ class EtcdRendezvousHandler(RendezvousHandler):
         records = LeaseKeeper(client, settings.ttl)
         liveness = LeaseKeeper(client, liveness_ttl(settings))
         store = EtcdStore(client, settings.run_prefix + "store/", liveness, timedelta(seconds=settings.read_timeout),
-                          probe_timeout=settings.connect_timeout, records=records)
+                          probe_timeout=settings.connect_timeout, records=records, exit_barrier=not settings.in_process)
         rules = RoundRules(min_nodes, max_nodes, handler_settings.timeout.last_call,
                            handler_settings.keep_alive_interval, early_close=settings.early_close)
         rounds = Rounds(client, settings.run_prefix, rules, liveness, records)
-        return cls(Node.of_this_process(local_addr), handler_settings, store, rounds,
+        node = Node.of_this_process(local_addr)
+        in_process = None
+        if settings.in_process:
+            in_process = InProcess(worker_store(client, settings), client, settings, {
+                "endpoint": ",".join(settings.endpoints), "run_id": settings.run_id, "config": config, "addr": node.addr})
+        return cls(node, handler_settings, store, rounds,
                    reach_timeout=settings.reach_timeout if settings.reach_check else None,
-                   local_addr_given=bool(local_addr) if local_addr_given is None else local_addr_given)
+                   local_addr_given=bool(local_addr) if local_addr_given is None else local_addr_given,
+                   in_process=in_process)
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -396,11 +407,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
             logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",
                         self._settings.run_id, warmed)
         self._end_if_a_worker_said_so()
+        self._leave_if_the_membership_goes_on()
         try:
-            return self._form(time.monotonic() + self._settings.timeout.join.total_seconds())
+            info = self._form(time.monotonic() + self._settings.timeout.join.total_seconds())
         except RendezvousClosedError:
             self._end_if_closed_with_a_reason()
             raise
+        if self._in_process is not None:  # where this round's workers meet (they inherit the agent's environment)
+            os.environ[membership.LAUNCH_ENV] = json.dumps(
+                {**self._in_process.spec, "round": self._state_holder.state.round})
+        return info
+
+    def _leave_if_the_membership_goes_on(self) -> None:
+        """In-process mode, before a restart's rendezvous: while the job's workers go on in their own processes,
+        the other agents will not re-form with this one, so this node leaves (restarting its workers into the
+        running membership is not built yet).
+
+        Raises:
+            RendezvousClosedError: saying so.
+        """
+        if self._in_process is None or self._state_holder.formed is None or not self._in_process.alive():
+            return
+        message = ("etcd-v3: in-process mode: this node's workers are gone while the job's other workers go on in "
+                   "their own processes; this node leaves the job")
+        logger.warning(message)
+        with self._heartbeat_lock:
+            self._depart()
+        raise RendezvousClosedError(message)
 
     def _form(self, deadline: float) -> RendezvousInfo:
         """The round this node trains in, once every pair of its nodes reaches each other."""
@@ -691,7 +724,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
             logger.warning("etcd-v3: etcd answers again after %.1f s", time.monotonic() - self._outage_since)
             self._outage_since = None
         if waiting == 0 and (self._left_behind() or self._peer_gone()):
-            return 1
+            waiting = 1
+        if waiting and self._in_process is not None and self._in_process.alive():
+            if not self._said_in_process:
+                self._said_in_process = True
+                logger.info("etcd-v3: in-process mode: the workers go on in their own processes; their agents do "
+                            "not restart them for a membership change")
+            return 0
         return waiting
 
     def _poll_timeout(self) -> float:
@@ -831,6 +870,50 @@ def liveness_ttl(settings: EtcdRendezvousSettings) -> int:
     return max(1, settings.keep_alive_interval * settings.keep_alive_max_attempt)
 
 
+WORKERS_PREFIX = "workers/"
+"""Under the run's prefix: the in-process mode's worker memberships, one namespace per agents' round."""
+
+
+def worker_store(client: EtcdClient, settings: EtcdRendezvousSettings, namespace: str = "") -> EtcdStore:
+    """The store the workers of the in-process mode agree on (:mod:`elastic_ddp.membership`), under
+    ``namespace`` (a store of its own, not a ``PrefixStore``: torch's C++ wrapper cannot call every method of
+    a store written in Python). Its keys are attached to no lease, so a generation's member list outlives
+    the worker that wrote it."""
+    return EtcdStore(client, settings.run_prefix + WORKERS_PREFIX + namespace, NoLease(client),
+                     timedelta(seconds=settings.read_timeout), probe_timeout=settings.connect_timeout)
+
+
+def create_worker_store(spec: dict[str, Any], namespace: str = "") -> EtcdStore:
+    """A worker's side of :func:`worker_store`, from what the handler exported (``ELASTIC_DDP_MEMBERSHIP``)."""
+    settings = EtcdRendezvousSettings.from_config(spec["endpoint"], spec["run_id"], spec["config"])
+    return worker_store(GrpcEtcdClient(settings.client_options()), settings, namespace)
+
+
+@dataclass
+class InProcess:
+    """The handler's side of the in-process mode: the workers' store and what the workers need to reach it."""
+
+    workers: EtcdStore
+    client: EtcdClient
+    settings: EtcdRendezvousSettings
+    spec: dict[str, Any]
+
+    def alive(self) -> bool:
+        """Whether the job's worker membership lives (a member of its newest generation answers)."""
+        try:
+            if not self.workers.check([RUNNING_KEY]):
+                return False
+            namespace = f"round-{self.workers.get(RUNNING_KEY).decode()}/"
+            return membership.alive(worker_store(self.client, self.settings, namespace))
+        except (EtcdConnectionError, dist.DistError, OSError, ValueError) as exc:
+            logger.debug("etcd-v3: whether the worker membership lives is unknown: %s", exc)
+            return False
+
+
+RUNNING_KEY = "running"
+"""In the workers' store: the agents' round whose namespace holds the job's worker membership."""
+
+
 def create_store(params: RendezvousParameters) -> EtcdStore:
     """The agents' store alone, from torchrun's rendezvous parameters (for tools and tests).
 
@@ -864,7 +947,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     _hear_from_workers()
     client = GrpcEtcdClient(settings.client_options())
     _first_contact(client, settings)
-    return EtcdRendezvousHandler.build(settings, client, params.min_nodes, params.max_nodes, params.local_addr)
+    return EtcdRendezvousHandler.build(settings, client, params.min_nodes, params.max_nodes, params.local_addr,
+                                       config={key: str(value) for key, value in params.config.items()})
 
 
 def _hear_from_workers() -> None:

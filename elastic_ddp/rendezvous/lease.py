@@ -99,3 +99,20 @@ class LeaseKeeper:
         with self._lock:
             if self._lease_id == lease_id:
                 self._lease_id = None
+
+
+class NoLease(LeaseKeeper):
+    """Writes attached to no lease: keys that must outlive the process that wrote them (a worker membership's
+    generations, :mod:`elastic_ddp.membership`, whose member list a dead closer wrote stays the list)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        super().__init__(client, ttl=1)
+
+    def write(self, put: Callable[[int], T]) -> T:
+        return put(0)
+
+    def current(self) -> int:
+        return 0
+
+    def revoke(self) -> None:
+        pass

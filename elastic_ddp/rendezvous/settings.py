@@ -34,6 +34,12 @@ echoed.
                             spare), without waiting for the last call. A node that was not
                             running yet joins in the next round. The first round always
                             waits the last call, so that nodes starting together start together.
+``in_process``              ``false`` (default) or ``true`` (a preview): the workers keep their
+                            processes when a peer is lost (:mod:`elastic_ddp.membership`); the
+                            handler then tells the agent of no waiting node while a worker
+                            membership lives, exports where the workers meet
+                            (``ELASTIC_DDP_MEMBERSHIP``) and skips the exit barrier. A node whose
+                            workers are gone leaves the job (its agent does not restart them).
 ``reach_check``             ``true`` (default) or ``false``: once a round completes, every
                             agent connects to the probe listeners (a TCP port on each
                             ``--local-addr``) of the 3 agents after it on the ring of ranks;
@@ -97,7 +103,7 @@ _TORCH_DEFAULTS = {
 }
 _OWN_KEYS = (
     "key_prefix", "ttl", "read_timeout", "connect_timeout", "cacert", "cert", "key", "user", "password", "early_close",
-    "reach_check", "reach_timeout",
+    "reach_check", "reach_timeout", "in_process",
 )
 _FRACTIONAL = frozenset({"last_call_timeout"})
 MIN_LAST_CALL_S = 0.01
@@ -150,6 +156,8 @@ class EtcdRendezvousSettings:
     """Whether a round after the job's first closes once every live node has joined it (see the module docstring)."""
     reach_check: bool = True
     """Whether every completed round is checked for nodes that cannot reach each other (see the module docstring)."""
+    in_process: bool = False
+    """Whether the workers keep their processes through a peer's loss (see the module docstring)."""
     reach_timeout: float = DEFAULT_REACH_TIMEOUT_S
     """Seconds one probe connection of the reachability check may take."""
     close_timeout: int = _TORCH_DEFAULTS["close_timeout"]
@@ -214,6 +222,7 @@ class EtcdRendezvousSettings:
         key_prefix = _key_prefix(config, issues)
         early_close = _boolean(config, "early_close", True, issues)
         reach_check = _boolean(config, "reach_check", True, issues)
+        in_process = _boolean(config, "in_process", False, issues)
         reach_timeout = _positive_number(config, "reach_timeout", DEFAULT_REACH_TIMEOUT_S, issues)
         if issues:
             raise EtcdConfigError(
@@ -232,6 +241,7 @@ class EtcdRendezvousSettings:
             early_close=early_close,
             reach_check=reach_check,
             reach_timeout=reach_timeout,
+            in_process=in_process,
             **tls,
             **ints,
         )

@@ -73,9 +73,12 @@ class EtcdStore(dist.Store):
 
     def __init__(
         self, client: EtcdClient, prefix: str, leases: LeaseKeeper, timeout: timedelta, probe_timeout: float = 5.0,
-        records: LeaseKeeper | None = None,
+        records: LeaseKeeper | None = None, exit_barrier: bool = True,
     ) -> None:
+        """``exit_barrier``: False skips the wait of torch's exit barrier (the handler's in-process mode, where a
+        node that left checks in nowhere)."""
         super().__init__()
+        self._exit_barrier = exit_barrier
         self._client = client
         self._probe_timeout = probe_timeout
         self.exit_barrier_check_ins: list[str] = []
@@ -118,7 +121,7 @@ class EtcdStore(dist.Store):
 
         The exit barrier's wait returns (with a warning) when etcd cannot be reached."""
         exit_barrier = any(key.endswith(EXIT_BARRIER_DONE) for key in keys)
-        if exit_barrier and self._exit_barrier_given_up:
+        if exit_barrier and (self._exit_barrier_given_up or not self._exit_barrier):
             return
         try:
             self._wait_for(keys, self._deadline(timeout))

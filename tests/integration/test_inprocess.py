@@ -5,8 +5,11 @@ the data an uninterrupted run consumed (three gloo processes on one store; no to
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.data import ElasticSampler
+from tests.fixtures.etcd_proc import EtcdServer
 from tests.jobs import events
 
 pytestmark = pytest.mark.integration
@@ -100,3 +104,52 @@ def test_a_worker_that_joins_a_running_membership_enters_at_a_step_boundary_and_
     assert [(event["source"], event["step"], event["saved_world_size"], event["world_size"]) for event in newcomer] == [
         ("replica", joined_at, 2, 3)], newcomer
     assert newcomer[0]["path"].startswith("replica of step"), newcomer  # from a member, over the group
+
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_FIXTURE = REPO / "tests" / "fixtures" / "inprocess_torchrun.py"
+TORCHRUN_STEPS, TORCHRUN_SAMPLES = 40, 480
+
+
+def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_process(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """Two torchrun agents on the etcd-v3 handler with ``in_process=true``; node 1's worker dies at step 4. Its
+    agent has no restart left and leaves; node 0's worker (its steps last 50 ms, so its agent polls the handler
+    several times meanwhile) agrees on a membership of its own, goes on in its
+    process and finishes every step with the data an uninterrupted run consumed, and its agent, told of no
+    waiting node while the membership lives, ends 0 without waiting for an exit barrier."""
+    run_id = uuid.uuid4().hex[:8]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               ELASTIC_DDP_TEST_DIES="1:4")
+    agents = []
+    for node in range(2):
+        with open(tmp_path / f"agent-{node}.log", "wb") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                 "--max-restarts=0", "--monitor-interval=0.5", "--rdzv-backend=etcd-v3",
+                 f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run_id}",
+                 "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
+                 "--local-addr=127.0.0.1", str(TORCHRUN_FIXTURE), str(tmp_path)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for agent in agents:
+            agent.wait(timeout=180)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    logs = "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
+    assert agents[0].returncode == 0 and agents[1].returncode != 0, logs
+    survivor = json.loads((tmp_path / "rank-0.json").read_text())
+    assert (tmp_path / "pids-0.txt").read_text().split() == [str(survivor["pid"])]  # never restarted
+    assert survivor["pid"] == survivor["pid_at_end"], survivor
+    sampler = ElasticSampler(TORCHRUN_SAMPLES, global_batch_size=BATCH, seed=0, rank=0, world_size=1)
+    for _ in range(TORCHRUN_STEPS):
+        sampler.commit(sampler.plan())
+    assert survivor["step"] == TORCHRUN_STEPS and survivor["trained"] == list(range(1, TORCHRUN_STEPS + 1)), survivor
+    assert survivor["data_digest"] == sampler.data_digest, survivor
+    assert (survivor["generation"], survivor["rank"], survivor["world_size"]) == (1, 0, 1), survivor
+    assert not (tmp_path / "rank-1.json").exists()
+    started = [event for event in events(tmp_path / "logs", "resumed") if event["source"] == "live"]
+    assert [event["pid"] for event in started] == [survivor["pid"]], started
