@@ -2,7 +2,7 @@
 
 How to run:
   .venv/bin/python benchmarks/inprocess.py [--repeats 3] [--build-s 0,10] [--steps 70] [--dies-at 60]
-      [--parts fault,join] [--join-build-s 10] [--overhead-rounds 6]
+      [--parts fault,join,torchrun] [--join-build-s 10] [--overhead-rounds 6] [--torchrun-step-s 0.05]
 
 Three gloo workers on this machine train the same hand-written DDP loop on the runtime (an MLP, replicas in node
 memory every step, no checkpoints) and meet on a TCPStore this script hosts (it outlives every worker, as etcd
@@ -33,10 +33,13 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from datetime import timedelta
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -285,6 +288,79 @@ def join_part(context: BaseContext, args: argparse.Namespace) -> None:
           f"(quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, {len(ratios)} rounds)")
 
 
+TORCHRUN_FIXTURE = REPO / "tests" / "fixtures" / "inprocess_torchrun.py"
+TORCHRUN_DIES_AT = 10
+
+
+def torchrun_part(args: argparse.Namespace) -> None:
+    """Both arms under torchrun on the etcd-v3 handler, warm workers (``-m elastic_ddp.prefork``): two one-worker
+    nodes train tests/fixtures/inprocess_torchrun.py with the same command line but for ``--rdzv-conf``; node 1's
+    worker exits at step 10. restart: both agents start new workers and re-form (node 0's worker keeps its state
+    in node memory for its successor); in-process (``in_process=true``): node 0's worker goes on alone in its
+    process, and node 1's agent, finding the membership going on without it, leaves."""
+    from tests.fixtures.etcd_proc import EtcdServer, find_etcd_binary
+
+    results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="elastic-ddp-inprocess-torchrun-") as tmp:
+        etcd = EtcdServer.create(find_etcd_binary(), Path(tmp) / "etcd")
+        etcd.start()
+        try:
+            for repeat in range(args.repeats):
+                for arm in ARMS if repeat % 2 == 0 else tuple(reversed(ARMS)):
+                    result = one_torchrun(etcd.endpoint, Path(tmp) / f"{arm}-{repeat}", arm, args)
+                    results[arm].append(result)
+                    print(f"torchrun repeat {repeat + 1}, {arm}: {json.dumps(result)}", file=sys.stderr, flush=True)
+        finally:
+            etcd.stop()
+    print(f"\nunder torchrun (etcd-v3, prefork), kill of node 1's worker, {args.torchrun_step_s * 1000:g} ms steps, "
+          f"{args.repeats} runs each:")
+    print("| arm | fault → survivor's next step (s) | steps redone | survivor's pid kept |")
+    print("|---|---|---|---|")
+    for arm in ARMS:
+        runs = results[arm]
+        print(f"| {arm} | {spread([run['next_step_s'] for run in runs])} | {spread([run['redone'] for run in runs], 0)} "
+              f"| {sum(run['pid_kept'] for run in runs)}/{len(runs)} |")
+
+
+def one_torchrun(endpoint: str, work: Path, arm: str, args: argparse.Namespace) -> dict:
+    work.mkdir(parents=True)
+    conf = "last_call_timeout=1,join_timeout=120,read_timeout=30" + (",in_process=true" if arm == "in-process" else "")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               ELASTIC_DDP_TEST_DIES=f"1:{TORCHRUN_DIES_AT}", ELASTIC_DDP_TEST_STEP_S=str(args.torchrun_step_s))
+    run_id = uuid.uuid4().hex[:8]
+    agents = []
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                   "--max-restarts=3", "--monitor-interval=0.1", "--rdzv-backend=etcd-v3",
+                   f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--rdzv-conf={conf}",
+                   "--local-addr=127.0.0.1", "-m", "elastic_ddp.prefork", str(TORCHRUN_FIXTURE), str(work)]
+        with open(work / f"agent-{node}.log", "wb") as log:
+            agents.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True,
+                                           env=dict(env, ELASTIC_DDP_REPLICA_DIR=str(work / f"node{node}"))))
+    try:
+        for agent in agents:
+            agent.wait(timeout=300)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    if agents[0].returncode != 0:
+        raise SystemExit(f"torchrun {arm}: node 0's agent exited {agents[0].returncode}; see {work}/agent-0.log")
+    died_at = float((work / "died").read_text())
+    (report,) = [json.loads(path.read_text()) for path in work.glob("rank-0-*.json")]
+    pids = (work / "pids-0.txt").read_text().split()
+    steps = [step for step, _ in report["trained"]]
+    if len(pids) == 1:  # in-process: the steps after the fault are those the lost worker did not reach
+        first_step, first_at = next((step, at) for step, at in report["trained"] if step > TORCHRUN_DIES_AT)
+        redone = len(steps) - len(set(steps))
+    else:  # restarted: the report is the new worker's, every step of it after the fault
+        first_step, first_at = report["trained"][0]
+        redone = TORCHRUN_DIES_AT - (first_step - 1)
+    return {"next_step_s": first_at - died_at, "redone": redone, "pid_kept": len(pids) == 1}
+
+
 def start(context: BaseContext, arm: str, rank: int, world_size: int, attempt: int, port: int, work: Path,
           args: argparse.Namespace, build_s: float) -> BaseProcess:
     process = context.Process(target=worker, args=(arm, rank, world_size, attempt, port, str(work), build_s,
@@ -351,7 +427,9 @@ def main() -> None:
     parser.add_argument("--build-s", default="0,10", help="comma-separated build times to run (seconds)")
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--dies-at", type=int, default=60)
-    parser.add_argument("--parts", default="fault,join", help="fault (a lost worker), join (a newcomer; overhead)")
+    parser.add_argument("--parts", default="fault,join,torchrun",
+                        help="fault (a lost worker), join (a newcomer; overhead), torchrun (a lost worker, torchrun)")
+    parser.add_argument("--torchrun-step-s", type=float, default=0.05)
     parser.add_argument("--join-build-s", type=float, default=10.0)
     parser.add_argument("--join-steps", type=int, default=300)
     parser.add_argument("--join-after", type=int, default=20)
@@ -365,12 +443,14 @@ def main() -> None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", *PRELOAD, "elastic_ddp.membership"])
     parts = set(args.parts.split(","))
-    if not parts <= {"fault", "join"}:
-        parser.error(f"--parts: unknown part(s) {sorted(parts - {'fault', 'join'})}")
+    if not parts <= {"fault", "join", "torchrun"}:
+        parser.error(f"--parts: unknown part(s) {sorted(parts - {'fault', 'join', 'torchrun'})}")
     if "fault" in parts:
         fault_part(context, args, builds)
     if "join" in parts:
         join_part(context, args)
+    if "torchrun" in parts:
+        torchrun_part(args)
 
 
 def fault_part(context: BaseContext, args: argparse.Namespace, builds: list[float]) -> None:
