@@ -3,6 +3,7 @@
 How to run:
   .venv/bin/python benchmarks/inprocess.py [--repeats 3] [--build-s 0,10] [--steps 70] [--dies-at 60]
       [--parts fault,join,torchrun] [--join-build-s 10] [--overhead-rounds 6] [--torchrun-step-s 0.05]
+      [--torchrun-build-s 0]
 
 Three gloo workers on this machine train the same hand-written DDP loop on the runtime (an MLP, replicas in node
 memory every step, no checkpoints) and meet on a TCPStore this script hosts (it outlives every worker, as etcd
@@ -313,7 +314,7 @@ def torchrun_part(args: argparse.Namespace) -> None:
         finally:
             etcd.stop()
     print(f"\nunder torchrun (etcd-v3, prefork), kill of node 1's worker, {args.torchrun_step_s * 1000:g} ms steps, "
-          f"{args.repeats} runs each:")
+          f"a build of {args.torchrun_build_s:g} s, {args.repeats} runs each:")
     print("| arm | fault → survivor's next step (s) | steps redone | survivor's pid kept |")
     print("|---|---|---|---|")
     for arm in ARMS:
@@ -326,7 +327,8 @@ def one_torchrun(endpoint: str, work: Path, arm: str, args: argparse.Namespace) 
     work.mkdir(parents=True)
     conf = "last_call_timeout=1,join_timeout=120,read_timeout=30" + (",in_process=true" if arm == "in-process" else "")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               ELASTIC_DDP_TEST_DIES=f"1:{TORCHRUN_DIES_AT}", ELASTIC_DDP_TEST_STEP_S=str(args.torchrun_step_s))
+               ELASTIC_DDP_TEST_DIES=f"1:{TORCHRUN_DIES_AT}", ELASTIC_DDP_TEST_STEP_S=str(args.torchrun_step_s),
+               ELASTIC_DDP_TEST_BUILD_S=str(args.torchrun_build_s))
     run_id = uuid.uuid4().hex[:8]
     agents = []
     for node in range(2):
@@ -430,6 +432,7 @@ def main() -> None:
     parser.add_argument("--parts", default="fault,join,torchrun",
                         help="fault (a lost worker), join (a newcomer; overhead), torchrun (a lost worker, torchrun)")
     parser.add_argument("--torchrun-step-s", type=float, default=0.05)
+    parser.add_argument("--torchrun-build-s", type=float, default=0.0, help="each worker's build time (seconds)")
     parser.add_argument("--join-build-s", type=float, default=10.0)
     parser.add_argument("--join-steps", type=int, default=300)
     parser.add_argument("--join-after", type=int, default=20)
