@@ -18,7 +18,9 @@ entry in the agent's failure summary, not a traceback.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from elastic_ddp.build import Built
@@ -26,6 +28,7 @@ from elastic_ddp.config import TrainConfig
 from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.events import EventLog
 from elastic_ddp.logs import setup_logging
+from elastic_ddp.membership import LAUNCH_ENV
 from elastic_ddp.runtime import Runtime, announce_process_group, exit_in_one_line, exit_unhandled, failure_reason
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
@@ -46,12 +49,22 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
     events = EventLog(config.log.dir, run_id=run_id, rank=env.rank)
     runtime: Runtime | None = None
     try:
-        with distributed(config.dist, env) as context:
+        with ExitStack() as group:
+            launched = None
+            if os.environ.get(LAUNCH_ENV):  # the etcd-v3 handler's in-process mode: the workers form their membership
+                from elastic_ddp.inprocess import in_process_distributed  # the etcd client, only when asked for
+
+                context, launched = group.enter_context(in_process_distributed(config.dist, env))
+                events.rank = context.rank
+            else:
+                context = group.enter_context(distributed(config.dist, env))
             announce_process_group(events, context.world_size, context.backend, env)
             seed_rng_streams(config.seed)  # identical initial weights on every rank
-            trainer = Trainer(config, context, build(config), log_context=log, events=events)
+            trainer = Trainer(config, context, build(config), log_context=log, events=events, launched=launched)
             with trainer.make_runtime() as runtime:
                 trainer.run(runtime)
+            if launched is not None and runtime.exit_status == 0:
+                launched.generations.finish()  # the end of training, not a loss, to the rendezvous
         assert runtime.exit_status is not None
         return runtime.exit_status
     except Exception as exc:

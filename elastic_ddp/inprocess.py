@@ -14,13 +14,23 @@ import json
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from elastic_ddp.distributed import LaunchEnv, form_membership_group
+from elastic_ddp.config import DistConfig
+from elastic_ddp.distributed import (
+    DistContext,
+    LaunchEnv,
+    form_membership_group,
+    select_backend,
+    select_device,
+    shutdown_distributed,
+)
 from elastic_ddp.membership import LAUNCH_ENV, Generations, Membership
 from elastic_ddp.rendezvous.etcd import RUNNING_KEY, create_worker_store
 
@@ -85,3 +95,20 @@ def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,
     logger.info("in-process mode: rank %d of %d in round %d's worker membership", membership.rank,
                 membership.world_size, round_)
     return launched
+
+
+@contextmanager
+def in_process_distributed(config: DistConfig, env: LaunchEnv) -> Iterator[tuple[DistContext, LaunchedMembership]]:
+    """:func:`elastic_ddp.distributed.distributed` for the in-process mode: the device and backend chosen as
+    there, generation 0 joined (:func:`join_launch`) and its group formed; at the end the watcher is stopped
+    and the group destroyed (a finished run says so first: :meth:`Generations.finish`)."""
+    device = select_device(config, env.local_rank)
+    backend = select_backend(config, device)
+    launched = join_launch(backend=backend, device=device, timeout_s=config.init_timeout_s)
+    membership = launched.membership
+    try:
+        yield DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size), device=device,
+                          backend=backend), launched
+    finally:
+        launched.generations.close()
+        shutdown_distributed()

@@ -24,8 +24,8 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,18 @@ from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import ConfigError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
+from elastic_ddp.membership import describe
 from elastic_ddp.metrics import Progress, StepTimer
 from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts, start_prefetch
 from elastic_ddp.report import StepReport
 from elastic_ddp.resilience.consistency import check_consistency
+from elastic_ddp.resilience.exits import peer_loss
 from elastic_ddp.resilience.watchdog import Phase
 from elastic_ddp.runtime import Runtime
 from elastic_ddp.state import derive_rng_seed, model_digest
+
+if TYPE_CHECKING:
+    from elastic_ddp.inprocess import LaunchedMembership
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +84,14 @@ class Trainer:
         *,
         log_context: LogContext | None = None,
         events: EventLog | None = None,
+        launched: LaunchedMembership | None = None,
     ) -> None:
-        """``events``: the run's event stream (resumed, committed, stop agreed, done, ...); none: not written."""
+        """``events``: the run's event stream (resumed, committed, stop agreed, done, ...); none: not written.
+        ``launched``: the worker membership of the etcd-v3 handler's in-process mode (:mod:`elastic_ddp.inprocess`):
+        the survivors of a lost peer then go on in their own processes."""
         self.config = config
         self.context = context
+        self.launched = launched
         self.device = context.device
         self.loss_fn = built.loss_fn
         self.train_data = built.train_data
@@ -152,29 +161,39 @@ class Trainer:
         first = True
         try:
             while not self.done(plan := self.sampler.plan()):
-                started = time.perf_counter()
-                data_wait = self._step(plan, batches, loss_sum)
-                step_time = time.perf_counter() - started
-                timer.add(plan.size, step_time, data_wait)
-                if first:
-                    self.events.emit(Event.FIRST_STEP, step=counters.step, data_wait_s=round(data_wait, 6),
-                                     step_time_s=round(step_time, 6))
-                    first = False
-                if self.log_context is not None:
-                    self.log_context.set_step(counters.step)  # the runtime's agreement sets the events' step
-                decision = self.runtime.agree(step_time)
-                stop_reason = decision.stop
-                if counters.step % self.config.log.every == 0:
-                    last_loss = self.report.log_step(counters.step, self.sampler.position.epoch,
-                                                     self.optimizer.param_groups[0]["lr"], timer, loss_sum)
+                try:
+                    started = time.perf_counter()
+                    data_wait = self._step(plan, batches, loss_sum)
+                    step_time = time.perf_counter() - started
+                    timer.add(plan.size, step_time, data_wait)
+                    if first:
+                        self.events.emit(Event.FIRST_STEP, step=counters.step, data_wait_s=round(data_wait, 6),
+                                         step_time_s=round(step_time, 6))
+                        first = False
+                    if self.log_context is not None:
+                        self.log_context.set_step(counters.step)  # the runtime's agreement sets the events' step
+                    decision = self.runtime.agree(step_time)
+                    stop_reason = decision.stop
+                    if counters.step % self.config.log.every == 0:
+                        last_loss = self.report.log_step(counters.step, self.sampler.position.epoch,
+                                                         self.optimizer.param_groups[0]["lr"], timer, loss_sum)
+                        timer.reset()
+                        loss_sum.zero_()
+                    progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
+                    if stop_reason is not None:
+                        break
+                    self._periodic_checks()
+                    self.runtime.save_if_due(decision.save_due)
+                    collection.step(counters.step)
+                except RuntimeError as exc:
+                    if self.launched is None or peer_loss(exc) is None:
+                        raise
+                    batches = iter(())  # the old loader's workers go with its iterator
+                    self._go_on_without_the_lost_peer(peer_loss(exc) or "")
+                    batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
+                                          seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                     timer.reset()
                     loss_sum.zero_()
-                progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
-                if stop_reason is not None:
-                    break
-                self._periodic_checks()
-                self.runtime.save_if_due(decision.save_due)
-                collection.step(counters.step)
         finally:
             prefetch.close()
             collection.stop()
@@ -186,6 +205,27 @@ class Trainer:
                                model_digest="", data_digest=self.sampler.data_digest, reason=stop_reason,
                                stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
+
+    def _go_on_without_the_lost_peer(self, why: str) -> None:
+        """In-process mode: agree on the next membership with the other survivors, re-form in this process
+        (:meth:`Runtime.reform`: the live state kept when it is a complete state of the last step) and wrap the
+        model again; everything that depends on the rank or the world size follows the new membership."""
+        assert self.launched is not None
+        launched = self.launched
+        self.optimizer.zero_grad(set_to_none=True)
+        before = launched.generations.current
+        agreed = launched.generations.next(why)
+        self.runtime.reform(launched.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
+                            generation=agreed.generation, backend=self.context.backend, device=self.device,
+                            timeout_s=self.config.dist.collective_timeout_s)
+        self.context = DistContext(env=replace(self.context.env, rank=agreed.rank, world_size=agreed.world_size),
+                                   device=self.device, backend=self.context.backend)
+        self.log0 = main_only(logger, agreed.rank)
+        self.report.rank, self.report.world_size = agreed.rank, agreed.world_size
+        self.ddp = wrap_model(self.model, self.config, self.device)
+        self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
+        logger.warning("rank %d: a peer was lost (%s); went on in this process: %s", agreed.rank, why,
+                       describe(agreed, before))
 
     def _periodic_checks(self) -> None:
         step = self.state.counters.step

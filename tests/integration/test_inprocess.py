@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from elastic_ddp.data import ElasticSampler
 from tests.fixtures.etcd_proc import EtcdServer
-from tests.jobs import events
+from tests.jobs import BASE_ARGS, TORCHRUN, TRAIN, child_env, done_event, events, train_ok
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +154,41 @@ def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_
     assert not list(tmp_path.glob("rank-1-*.json"))
     started = [event for event in events(tmp_path / "logs", "resumed") if event["source"] == "live"]
     assert [event["pid"] for event in started] == [survivor["pid"]], started
+
+
+def test_the_trainer_path_under_torchrun_in_process_mode_goes_on_in_the_survivors_process(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """examples/train.py on two torchrun agents with ``in_process=true``; rank 1 raises at its 10th step (its
+    worker ends, its agent finds the membership going on and leaves). Rank 0's worker, never restarted, goes
+    on alone from its live state and ends at step 30 with the data an uninterrupted run consumed."""
+    train_ok(["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "ref-ckpt"), "--log-dir", str(tmp_path / "ref-logs")])
+    run_id = uuid.uuid4().hex[:8]
+    env = child_env({"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "ELASTIC_DDP_FAULT": "crash:1:10"})
+    agents = []
+    for node in range(2):
+        with open(tmp_path / f"agent-{node}.log", "wb") as log:
+            agents.append(subprocess.Popen(
+                [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.5",
+                 "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run_id}",
+                 "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
+                 "--local-addr=127.0.0.1", TRAIN, *BASE_ARGS, "--max-steps", "30",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"),
+                 "--checkpoint-replica-dir", str(tmp_path / f"node{node}")],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for agent in agents:
+            agent.wait(timeout=240)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    logs = "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
+    assert agents[0].returncode == 0 and agents[1].returncode != 0, logs
+    done = done_event(tmp_path / "logs")
+    assert done["step"] == 30 and done["data_digest"] == done_event(tmp_path / "ref-logs")["data_digest"], done
+    (went_on,) = [event for event in events(tmp_path / "logs", "resumed") if event["source"] == "live"]
+    assert (went_on["world_size"], went_on["saved_world_size"]) == (1, 2) and went_on["step"] in (9, 10), went_on
+    started = [event for event in events(tmp_path / "logs", "started_fresh")]
+    assert [(event["rank"], event["pid"]) for event in started if event["pid"] == went_on["pid"]] == [(0, went_on["pid"])]
+    assert len(started) == 2, started  # one per launch rank: nothing was restarted
