@@ -67,6 +67,7 @@ def failures(checks: list[Check]) -> list[str]:
     return [f"{check.name}: {check.message}" for check in checks if not check.passed]
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_ci_mix_loses_no_sample_and_no_step_through_five_faults(tmp_path: Path, cache_dir: Path) -> None:
     facts, checks, text = run(load_scenario("ci-mix"), tmp_path, cache_dir)
     assert not failures(checks), text

@@ -111,6 +111,36 @@ TORCHRUN_FIXTURE = REPO / "tests" / "fixtures" / "inprocess_torchrun.py"
 TORCHRUN_STEPS, TORCHRUN_SAMPLES = 40, 480
 
 
+def two_in_process_agents(endpoint: str, tmp_path: Path, script: list[str], env: dict[str, str],
+                          max_restarts: int) -> list[int]:
+    """Two one-worker torchrun agents on the etcd-v3 handler with ``in_process=true``, run to their end (node
+    ``n``'s script arguments get ``{node}`` replaced by ``n``); their exit statuses, their logs in the message
+    of a failing assertion."""
+    run_id = uuid.uuid4().hex[:8]
+    agents = []
+    for node in range(2):
+        with open(tmp_path / f"agent-{node}.log", "wb") as log:
+            agents.append(subprocess.Popen(
+                [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
+                 "--monitor-interval=0.5", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}",
+                 f"--rdzv-id={run_id}", "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
+                 "--local-addr=127.0.0.1", *(part.replace("{node}", str(node)) for part in script)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        for agent in agents:
+            agent.wait(timeout=240)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    return [agent.returncode for agent in agents]
+
+
+def agent_logs(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
+
+
 def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_process(
         etcd_server: EtcdServer, tmp_path: Path) -> None:
     """Two torchrun agents on the etcd-v3 handler with ``in_process=true``; node 1's worker dies at step 4. Its
@@ -118,29 +148,10 @@ def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_
     several times meanwhile) agrees on a membership of its own, goes on in its
     process and finishes every step with the data an uninterrupted run consumed, and its agent, told of no
     waiting node while the membership lives, ends 0 without waiting for an exit barrier."""
-    run_id = uuid.uuid4().hex[:8]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                ELASTIC_DDP_TEST_DIES="1:4")
-    agents = []
-    for node in range(2):
-        with open(tmp_path / f"agent-{node}.log", "wb") as log:
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                 "--max-restarts=0", "--monitor-interval=0.5", "--rdzv-backend=etcd-v3",
-                 f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run_id}",
-                 "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
-                 "--local-addr=127.0.0.1", str(TORCHRUN_FIXTURE), str(tmp_path)],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        for agent in agents:
-            agent.wait(timeout=180)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-    logs = "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
-    assert agents[0].returncode == 0 and agents[1].returncode != 0, logs
+    statuses = two_in_process_agents(etcd_server.endpoint, tmp_path, [str(TORCHRUN_FIXTURE), str(tmp_path)], env, 0)
+    assert statuses[0] == 0 and statuses[1] != 0, agent_logs(tmp_path)
     (report,) = tmp_path.glob("rank-0-*.json")
     survivor = json.loads(report.read_text())
     assert (tmp_path / "pids-0.txt").read_text().split() == [str(survivor["pid"])]  # never restarted
@@ -162,33 +173,16 @@ def test_the_trainer_path_under_torchrun_in_process_mode_goes_on_in_the_survivor
     worker ends, its agent finds the membership going on and leaves). Rank 0's worker, never restarted, goes
     on alone from its live state and ends at step 30 with the data an uninterrupted run consumed."""
     train_ok(["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "ref-ckpt"), "--log-dir", str(tmp_path / "ref-logs")])
-    run_id = uuid.uuid4().hex[:8]
     env = child_env({"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "ELASTIC_DDP_FAULT": "crash:1:10"})
-    agents = []
-    for node in range(2):
-        with open(tmp_path / f"agent-{node}.log", "wb") as log:
-            agents.append(subprocess.Popen(
-                [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--max-restarts=3", "--monitor-interval=0.5",
-                 "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd_server.endpoint}", f"--rdzv-id={run_id}",
-                 "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
-                 "--local-addr=127.0.0.1", TRAIN, *BASE_ARGS, "--max-steps", "30",
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"),
-                 "--checkpoint-replica-dir", str(tmp_path / f"node{node}")],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        for agent in agents:
-            agent.wait(timeout=240)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-    logs = "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
-    assert agents[0].returncode == 0 and agents[1].returncode != 0, logs
+    script = [TRAIN, *BASE_ARGS, "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir",
+              str(tmp_path / "logs"), "--checkpoint-replica-dir", str(tmp_path / "node{node}")]
+    statuses = two_in_process_agents(etcd_server.endpoint, tmp_path, script, env, 3)
+    assert statuses[0] == 0 and statuses[1] != 0, agent_logs(tmp_path)
     done = done_event(tmp_path / "logs")
     assert done["step"] == 30 and done["data_digest"] == done_event(tmp_path / "ref-logs")["data_digest"], done
     (went_on,) = [event for event in events(tmp_path / "logs", "resumed") if event["source"] == "live"]
     assert (went_on["world_size"], went_on["saved_world_size"]) == (1, 2) and went_on["step"] in (9, 10), went_on
-    started = [event for event in events(tmp_path / "logs", "started_fresh")]
-    assert [(event["rank"], event["pid"]) for event in started if event["pid"] == went_on["pid"]] == [(0, went_on["pid"])]
+    started = events(tmp_path / "logs", "started_fresh")
+    assert [(event["rank"], event["pid"]) for event in started if event["pid"] == went_on["pid"]] == [
+        (0, went_on["pid"])]
     assert len(started) == 2, started  # one per launch rank: nothing was restarted

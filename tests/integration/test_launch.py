@@ -56,6 +56,7 @@ def newest_commit(workdir: Path) -> int:
     return max((event["step"] for event in rank0(workdir, "committed")), default=0)
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_a_launch_goes_on_from_its_work_directory_after_a_failure_a_stop_and_the_end(tmp_path: Path) -> None:
     """Each launch finds what the previous one left (its embedded etcd's data with the rendezvous it closed,
     its node logs, its checkpoints) and trains on from the newest checkpoint; a run already complete resumes

@@ -137,6 +137,7 @@ def test_a_head_count_that_does_not_divide_the_width_exits_2_naming_the_flag() -
     assert "--model-n-head: 3 does not divide --model-d-model 32" in result.output, result.output
 
 
+@pytest.mark.slow  # CI time: .ci/run runs it in its third part (SLOW_SET)
 def test_a_compiled_run_and_an_uncompiled_one_resume_each_other(tmp_path: Path) -> None:
     """--compile compiles the DDP-wrapped model for the run; the checkpoint keeps the module's own names."""
     ckpt, compiled, plain = tmp_path / "ckpt", tmp_path / "compiled-logs", tmp_path / "plain-logs"
