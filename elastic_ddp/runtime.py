@@ -482,10 +482,11 @@ class Runtime:
             DistributedInitError: the new group was not formed within ``timeout_s``.
         """
         world, guards = self._require_restored("reform"), self._open_guards()
-        kept = why_not_kept(self._live_state())
+        live = self._live_state()
+        kept = why_not_kept(live)
         before = world.world_size
         if joined and kept is None:  # in the membership it belongs to, with that world size
-            world.rescue(self.state, self._live_state())
+            world.rescue(self.state, live)
         started = time.perf_counter()
         abandoned = abandon_group()  # first: a save in flight on the old groups then fails at once, not waits
         self.world = None

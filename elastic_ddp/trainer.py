@@ -186,10 +186,11 @@ class Trainer:
                     self.runtime.save_if_due(decision.save_due)
                     collection.step(counters.step)
                 except RuntimeError as exc:
-                    if self.launched is None or peer_loss(exc) is None:
+                    lost = peer_loss(exc)
+                    if self.launched is None or lost is None:
                         raise
                     batches = iter(())  # the old loader's workers go with its iterator
-                    self._go_on_without_the_lost_peer(peer_loss(exc) or "")
+                    self._go_on_without_the_lost_peer(lost)
                     batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                                           seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                     timer.reset()
