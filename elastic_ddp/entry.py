@@ -50,17 +50,22 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
     runtime: Runtime | None = None
     try:
         with ExitStack() as group:
-            launched = None
+            launched, built = None, None
             if os.environ.get(LAUNCH_ENV):  # the etcd-v3 handler's in-process mode: the workers form their membership
-                from elastic_ddp.inprocess import in_process_distributed  # the etcd client, only when asked for
+                from elastic_ddp.inprocess import in_process_distributed, joining_launch  # the etcd client, if asked
 
+                if joining_launch():  # built before it joins, as the members train on (no group to use yet)
+                    seed_rng_streams(config.seed)
+                    built = build(config)
                 context, launched = group.enter_context(in_process_distributed(config.dist, env))
                 events.rank = context.rank
             else:
                 context = group.enter_context(distributed(config.dist, env))
             announce_process_group(events, context.world_size, context.backend, env)
-            seed_rng_streams(config.seed)  # identical initial weights on every rank
-            trainer = Trainer(config, context, build(config), log_context=log, events=events, launched=launched)
+            if built is None:
+                seed_rng_streams(config.seed)  # identical initial weights on every rank
+                built = build(config)
+            trainer = Trainer(config, context, built, log_context=log, events=events, launched=launched)
             with trainer.make_runtime() as runtime:
                 trainer.run(runtime)
             if launched is not None and runtime.exit_status == 0:

@@ -5,7 +5,9 @@ survivors of a lost peer go on in their own processes (docs/design.md, "In-proce
 
 The handler exports where to meet (``ELASTIC_DDP_MEMBERSHIP``: the endpoint, run id, ``--rdzv-conf``,
 this node's address and the agents' round); each round's workers use a namespace of their own
-(``round-<n>/``), and the job's current one is named by ``running``.
+(``round-<n>/``), and the job's current one is named by ``running``. A node whose agent starts workers while
+that membership goes on (a crashed worker restarted, a node added) is told to join it (``join``, ``node_rank``):
+its workers build their model, then enter at a step boundary the members agree on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class LaunchedMembership:
     membership: Membership
     addr: str
     timeout_s: float
+    joined: bool = False
+    """This worker joined a running membership (a restarted or added node's): restore with ``Runtime.join``."""
     hosted: list[dist.TCPStore] = field(default_factory=list)
 
     def group_store(self, membership: Membership) -> dist.Store:
@@ -70,30 +74,46 @@ def in_process_launch() -> bool:
     return bool(os.environ.get(LAUNCH_ENV))
 
 
+def joining_launch() -> bool:
+    """Whether this worker's node joins the launch's running membership (a restarted or added node under the
+    in-process mode): such a worker builds its model before :func:`join_launch`, as the members train on."""
+    spec = os.environ.get(LAUNCH_ENV)
+    return spec is not None and bool(spec) and bool(json.loads(spec).get("join"))
+
+
 def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,
                 last_call_s: float = 0.1) -> LaunchedMembership:
-    """Generation 0 of this round's workers (the launch's ranks), its group formed in place of
-    ``init_process_group``, and the watcher started.
+    """This worker's first membership of the launch, its group formed in place of ``init_process_group``, and
+    the watcher started: generation 0 of this round's workers (the launch's ranks), or, on a node that joins
+    the running membership (``"join"`` in the handler's spec), the generation its members' watchers agree on
+    with it; such a worker then restores through ``Runtime.join`` (``joined``), and its replicas know its node
+    by the node rank the handler gave it.
 
     Raises:
         KeyError, ValueError: not under the in-process mode, or its environment is malformed.
-        MembershipError, DistributedInitError: the workers did not meet within ``timeout_s``.
+        MembershipError, DistributedInitError: the workers did not meet within ``timeout_s``, or the membership
+        to join ended first.
     """
     spec = json.loads(os.environ[LAUNCH_ENV])
-    round_ = int(spec["round"])
+    round_, joining = int(spec["round"]), bool(spec.get("join"))
     store = create_worker_store(spec, f"round-{round_}/")
     env = LaunchEnv.from_env()
     generations = Generations(store, f"{socket.gethostname()}-{os.getpid()}", host=spec["addr"],
                               last_call_s=last_call_s, timeout_s=timeout_s, watch_poll_s=0.02)
-    membership = generations.first(env.rank, env.world_size)
-    if membership.rank == 0:
-        create_worker_store(spec).set(RUNNING_KEY, str(round_))
-    launched = LaunchedMembership(store, generations, membership, spec["addr"], timeout_s)
+    if joining:
+        os.environ["GROUP_RANK"] = str(int(spec["node_rank"]))  # the agent's own round names every joiner node 0
+        membership = generations.join("a node's workers joined")
+    else:
+        membership = generations.first(env.rank, env.world_size)
+        if membership.rank == 0:
+            create_worker_store(spec).set(RUNNING_KEY, str(round_))
+    launched = LaunchedMembership(store, generations, membership, spec["addr"], timeout_s, joined=joining)
     form_membership_group(launched.group_store(membership), rank=membership.rank, world_size=membership.world_size,
-                          generation=0, backend=backend, device=device, timeout_s=timeout_s, abandoned="none")
+                          generation=membership.generation, backend=backend, device=device, timeout_s=timeout_s,
+                          abandoned="none")
     generations.start_watch()
-    logger.info("in-process mode: rank %d of %d in round %d's worker membership", membership.rank,
-                membership.world_size, round_)
+    logger.info("in-process mode: rank %d of %d in round %d's worker membership%s", membership.rank,
+                membership.world_size, round_, " (joined at generation %d)" % membership.generation if joining else "")
     return launched
 
 
@@ -107,7 +127,8 @@ def in_process_distributed(config: DistConfig, env: LaunchEnv) -> Iterator[tuple
     launched = join_launch(backend=backend, device=device, timeout_s=config.init_timeout_s)
     membership = launched.membership
     try:
-        yield DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size), device=device,
+        yield DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size,
+                                      group_rank=LaunchEnv.from_env().group_rank), device=device,
                           backend=backend), launched
     finally:
         launched.generations.close()

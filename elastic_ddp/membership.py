@@ -146,7 +146,11 @@ class Generations:
         if running is None:
             raise MembershipError("no membership is running on this store to join")
         self.current = Membership(running[0], running[1], self.uid)
-        return self.next(reason)
+        joined = self.next(reason)
+        if not set(joined.members) & set(running[1]):  # never a membership of newcomers alone
+            raise MembershipError(f"the running membership ended before worker {self.uid} joined it "
+                                  f"(generation {joined.generation} holds newcomers only)")
+        return joined
 
     def _running(self) -> tuple[int, tuple[str, ...]] | None:
         return newest(self.store)
@@ -353,15 +357,16 @@ def newest(store: dist.Store) -> tuple[int, tuple[str, ...]] | None:
     return generation, members
 
 
-def alive(store: dist.Store, timeout_s: float = 1.0) -> bool:
+def alive(store: dist.Store, timeout_s: float = 1.0, *, finished_counts: bool = True) -> bool:
     """Whether a member of the newest generation on ``store`` still lives (its liveness socket accepts a
-    connection within ``timeout_s``) or finished its training (:meth:`Generations.finish`): for the
-    rendezvous, while one does, the workers go on in-process."""
+    connection within ``timeout_s``) or finished its training (:meth:`Generations.finish`; unless not
+    ``finished_counts``, as for a worker that would join): for the rendezvous, while one does, the workers go on
+    in-process."""
     running = newest(store)
     if running is None:
         return False
     for uid in running[1]:
-        if store.check([f"{PREFIX}finished/{uid}"]):
+        if finished_counts and store.check([f"{PREFIX}finished/{uid}"]):
             return True
         key = f"{PREFIX}addr/{uid}"
         if not store.check([key]):

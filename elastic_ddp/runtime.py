@@ -501,8 +501,11 @@ class Runtime:
         if kept is None and lowest == highest:
             self.world.go_on(self.state, before)
         else:
-            if kept is None and lowest == JOINING and not joined:  # one joined as a peer was lost: it gets this state
-                self.world.rescue(self.state, self._live_state())  # through the replicas
+            if kept is None and lowest == JOINING:  # a joiner gets this state through the replicas
+                if not joined:  # it joined as a peer was lost
+                    self.world.rescue(self.state, self._live_state())
+                logger.info("rank %d: a worker joins at step %d: every member loads that step's state from node "
+                            "memory, which the joiner receives", rank, highest)
             elif kept is None:  # one member's step ended, another's failed: no live state is common
                 kept = f"the members ended the last membership on steps {lowest} to {highest}"
             if kept is not None:

@@ -134,7 +134,9 @@ class Trainer:
         self.runtime = runtime
         self.watchdog = runtime.watchdog
         try:
-            step = runtime.restore()
+            if self.launched is not None:  # every member changes membership at the one step the agreement names
+                runtime.follow(self.launched.generations.news)
+            step = runtime.join() if self.launched is not None and self.launched.joined else runtime.restore()
             if self.done(self.sampler.plan()):
                 self.log0.info("the run is already complete at step %d: nothing to train (raise --max-steps or "
                                "--max-epochs to go on)", step)
@@ -185,12 +187,17 @@ class Trainer:
                     self._periodic_checks()
                     self.runtime.save_if_due(decision.save_due)
                     collection.step(counters.step)
+                    if decision.membership and not self.done(self.sampler.plan()):  # a worker joins, at this step
+                        batches = iter(())
+                        self._go_on_in_the_next_membership("a worker joined", joined=True)
+                        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
+                                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                 except RuntimeError as exc:
                     lost = peer_loss(exc)
                     if self.launched is None or lost is None:
                         raise
                     batches = iter(())  # the old loader's workers go with its iterator
-                    self._go_on_without_the_lost_peer(lost)
+                    self._go_on_in_the_next_membership(lost)
                     batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                                           seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                     timer.reset()
@@ -207,10 +214,12 @@ class Trainer:
                                stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
 
-    def _go_on_without_the_lost_peer(self, why: str) -> None:
-        """In-process mode: agree on the next membership with the other survivors, re-form in this process
-        (:meth:`Runtime.reform`: the live state kept when it is a complete state of the last step) and wrap the
-        model again; everything that depends on the rank or the world size follows the new membership."""
+    def _go_on_in_the_next_membership(self, why: str, *, joined: bool = False) -> None:
+        """In-process mode, after a peer's loss (``why``: what the failed collective said) or at the step where
+        a worker joins (``joined``): agree on the next membership with the other members, re-form in this
+        process (:meth:`Runtime.reform`: the live state kept when it is a complete state of the last step; a
+        joiner receives it) and wrap the model again; everything that depends on the rank or the world size
+        follows the new membership."""
         assert self.launched is not None
         launched = self.launched
         self.optimizer.zero_grad(set_to_none=True)
@@ -218,15 +227,16 @@ class Trainer:
         agreed = launched.generations.next(why)
         self.runtime.reform(launched.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
                             generation=agreed.generation, backend=self.context.backend, device=self.device,
-                            timeout_s=self.config.dist.collective_timeout_s)
+                            timeout_s=self.config.dist.collective_timeout_s, joined=joined)
         self.context = DistContext(env=replace(self.context.env, rank=agreed.rank, world_size=agreed.world_size),
                                    device=self.device, backend=self.context.backend)
         self.log0 = main_only(logger, agreed.rank)
         self.report.rank, self.report.world_size = agreed.rank, agreed.world_size
         self.ddp = wrap_model(self.model, self.config, self.device)
         self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
-        logger.warning("rank %d: a peer was lost (%s); went on in this process: %s", agreed.rank, why,
-                       describe(agreed, before))
+        self._graph_checked = False  # a collective of the first step: every member runs it with a joiner's first
+        logger.warning("rank %d: %s; went on in this process: %s", agreed.rank,
+                       why if joined else f"a peer was lost ({why})", describe(agreed, before))
 
     def _periodic_checks(self) -> None:
         step = self.state.counters.step

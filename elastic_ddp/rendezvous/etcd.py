@@ -407,7 +407,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
             logger.info("etcd-v3: joining rendezvous %s now that this node's fork server is warm (waited %.1f s)",
                         self._settings.run_id, warmed)
         self._end_if_a_worker_said_so()
-        self._leave_if_the_membership_goes_on()
+        joining = self._join_the_running_membership()
+        if joining is not None:
+            return joining
         try:
             info = self._form(time.monotonic() + self._settings.timeout.join.total_seconds())
         except RendezvousClosedError:
@@ -418,22 +420,32 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 {**self._in_process.spec, "round": self._state_holder.state.round})
         return info
 
-    def _leave_if_the_membership_goes_on(self) -> None:
-        """In-process mode, before a restart's rendezvous: while the job's workers go on in their own processes,
-        the other agents will not re-form with this one, so this node leaves (restarting its workers into the
-        running membership is not built yet).
-
-        Raises:
-            RendezvousClosedError: saying so.
-        """
-        if self._in_process is None or self._state_holder.formed is None or not self._in_process.alive():
-            return
-        message = ("etcd-v3: in-process mode: this node's workers are gone while the job's other workers go on in "
-                   "their own processes; this node leaves the job")
-        logger.warning(message)
-        with self._heartbeat_lock:
-            self._depart()
-        raise RendezvousClosedError(message)
+    def _join_the_running_membership(self) -> RendezvousInfo | None:
+        """In-process mode, before a rendezvous: while the job's workers go on in their own processes (a member
+        of their newest generation answers), the other agents will not re-form, so this node's workers join that
+        membership instead (a restart after a crash, or a node added to the job). This agent then trains in a
+        round of its own: one node, on a store of its own, for torchrun to assign its workers' local ranks; the
+        workers are told to join (``"join"`` in ``ELASTIC_DDP_MEMBERSHIP``) and by which node rank their replicas
+        know this node: its rank in the round it trained in, else a new one. None: no membership answers (a
+        job's start, or every worker gone): the agents form a round as without the mode."""
+        if self._in_process is None:
+            return None
+        running = self._in_process.running_round()
+        if running is None:
+            return None
+        formed = self._state_holder.formed
+        node_rank = formed.rank_of(self._this_node) if formed is not None else None
+        if node_rank is None:
+            node_rank = NEW_NODE_RANKS + self._in_process.workers.add(f"round-{running}/nodes-joined", 1)
+        store = dist.PrefixStore(f"joining/{node_key(self._this_node)}/{time.time_ns()}/", self._etcd_store)
+        bootstrap = RendezvousStoreInfo.build(0, store, local_addr=self._this_node.addr)
+        os.environ[membership.LAUNCH_ENV] = json.dumps(
+            {**self._in_process.spec, "round": running, "join": True, "node_rank": node_rank})
+        message = (f"etcd-v3: in-process mode: the job's workers go on in their own processes (round {running}); "
+                   f"this node's workers join them as node {node_rank}")
+        self._record("next_rendezvous", message)
+        logger.info(message)
+        return RendezvousInfo(store, 0, 1, bootstrap)
 
     def _form(self, deadline: float) -> RendezvousInfo:
         """The round this node trains in, once every pair of its nodes reaches each other."""
@@ -899,19 +911,32 @@ class InProcess:
     spec: dict[str, Any]
 
     def alive(self) -> bool:
-        """Whether the job's worker membership lives (a member of its newest generation answers)."""
+        """Whether the job's worker membership lives: a member of its newest generation answers or finished
+        its training (:func:`elastic_ddp.membership.alive`)."""
+        return self._running(finished_counts=True) is not None
+
+    def running_round(self) -> int | None:
+        """The agents' round whose workers' membership a newcomer can join (a member of its newest generation
+        answers), or None."""
+        return self._running(finished_counts=False)
+
+    def _running(self, *, finished_counts: bool) -> int | None:
         try:
             if not self.workers.check([RUNNING_KEY]):
-                return False
-            namespace = f"round-{self.workers.get(RUNNING_KEY).decode()}/"
-            return membership.alive(worker_store(self.client, self.settings, namespace))
+                return None
+            round_ = int(self.workers.get(RUNNING_KEY).decode())
+            store = worker_store(self.client, self.settings, f"round-{round_}/")
+            return round_ if membership.alive(store, finished_counts=finished_counts) else None
         except (EtcdConnectionError, dist.DistError, OSError, ValueError) as exc:
             logger.debug("etcd-v3: whether the worker membership lives is unknown: %s", exc)
-            return False
+            return None
 
 
 RUNNING_KEY = "running"
 """In the workers' store: the agents' round whose namespace holds the job's worker membership."""
+NEW_NODE_RANKS = 1 << 16
+"""The node ranks given to nodes that join a running membership without having trained in a round (above any
+round's)."""
 
 
 def create_store(params: RendezvousParameters) -> EtcdStore:

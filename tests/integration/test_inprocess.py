@@ -167,22 +167,60 @@ def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_
     assert [event["pid"] for event in started] == [survivor["pid"]], started
 
 
-def test_the_trainer_path_under_torchrun_in_process_mode_goes_on_in_the_survivors_process(
+def test_under_torchrun_in_process_mode_a_restarted_worker_joins_the_survivor_which_keeps_its_process(
         etcd_server: EtcdServer, tmp_path: Path) -> None:
-    """examples/train.py on two torchrun agents with ``in_process=true``; rank 1 raises at its 10th step (its
-    worker ends, its agent finds the membership going on and leaves). Rank 0's worker, never restarted, goes
-    on alone from its live state and ends at step 30 with the data an uninterrupted run consumed."""
-    train_ok(["--max-steps", "30", "--checkpoint-dir", str(tmp_path / "ref-ckpt"), "--log-dir", str(tmp_path / "ref-logs")])
+    """As above, but node 1's agent has restarts left: the handler finds the survivor's membership going on and
+    has node 1's new worker join it (a round of its own for its agent; node rank 1 kept). The survivor lets it in
+    at a step boundary and keeps its process; both end at the last step with the uninterrupted run's data, no
+    step trained twice by the survivor, and the newcomer starting from the step it was let in at."""
+    steps = 100
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               ELASTIC_DDP_TEST_DIES="1:4", ELASTIC_DDP_TEST_STEPS=str(steps))
+    statuses = two_in_process_agents(etcd_server.endpoint, tmp_path, [str(TORCHRUN_FIXTURE), str(tmp_path)], env, 1)
+    assert statuses == [0, 0], agent_logs(tmp_path)
+    (survivor_report,) = tmp_path.glob("rank-0-*.json")
+    (joiner_report,) = tmp_path.glob("rank-1-*.json")
+    survivor, joiner = json.loads(survivor_report.read_text()), json.loads(joiner_report.read_text())
+    assert (tmp_path / "pids-0.txt").read_text().split() == [str(survivor["pid"])]  # never restarted
+    first, restarted = (int(pid) for pid in (tmp_path / "pids-1.txt").read_text().split())
+    assert joiner["pid"] == restarted != first
+    sampler = ElasticSampler(TORCHRUN_SAMPLES, global_batch_size=BATCH, seed=0, rank=0, world_size=1)
+    for _ in range(steps):
+        sampler.commit(sampler.plan())
+    assert [step for step, _ in survivor["trained"]] == list(range(1, steps + 1)), survivor
+    assert 4 <= joiner["resumed"] < steps, joiner
+    assert [step for step, _ in joiner["trained"]] == list(range(joiner["resumed"] + 1, steps + 1)), joiner
+    for report in (survivor, joiner):
+        assert report["step"] == steps and report["data_digest"] == sampler.data_digest, report
+        assert report["world_size"] == 2 and report["generation"] >= 1, report
+    assert (survivor["rank"], joiner["rank"]) == (0, 1)
+    assert survivor["generation"] == joiner["generation"]
+
+
+def test_the_trainer_path_under_torchrun_in_process_mode_goes_on_in_the_survivors_process_and_lets_the_restart_in(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """examples/train.py on two torchrun agents with ``in_process=true``; rank 1 raises at its 10th step. Rank 0's
+    worker, never restarted, goes on alone from its live state; rank 1's agent restarts its worker, which builds
+    and joins the running membership, and the survivor lets it in at a step boundary, handing it the state of
+    that step. Both end at step 300 with the data an uninterrupted run consumed."""
+    model = ["--model-hidden-dim", "512", "--model-num-layers", "4", "--global-batch-size", "256"]  # ~20 ms steps
+    train_ok([*model, "--max-steps", "300", "--checkpoint-dir", str(tmp_path / "ref-ckpt"), "--log-dir",
+              str(tmp_path / "ref-logs")])
     env = child_env({"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO), "ELASTIC_DDP_FAULT": "crash:1:10"})
-    script = [TRAIN, *BASE_ARGS, "--max-steps", "30", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir",
-              str(tmp_path / "logs"), "--checkpoint-replica-dir", str(tmp_path / "node{node}")]
+    script = [TRAIN, *BASE_ARGS, *model, "--max-steps", "300", "--checkpoint-dir", str(tmp_path / "ckpt"),
+              "--log-dir", str(tmp_path / "logs"), "--checkpoint-replica-dir", str(tmp_path / "node{node}")]
     statuses = two_in_process_agents(etcd_server.endpoint, tmp_path, script, env, 3)
-    assert statuses[0] == 0 and statuses[1] != 0, agent_logs(tmp_path)
+    assert statuses == [0, 0], agent_logs(tmp_path)
     done = done_event(tmp_path / "logs")
-    assert done["step"] == 30 and done["data_digest"] == done_event(tmp_path / "ref-logs")["data_digest"], done
-    (went_on,) = [event for event in events(tmp_path / "logs", "resumed") if event["source"] == "live"]
-    assert (went_on["world_size"], went_on["saved_world_size"]) == (1, 2) and went_on["step"] in (9, 10), went_on
+    assert done["step"] == 300 and done["data_digest"] == done_event(tmp_path / "ref-logs")["data_digest"], done
     started = events(tmp_path / "logs", "started_fresh")
-    assert [(event["rank"], event["pid"]) for event in started if event["pid"] == went_on["pid"]] == [
-        (0, went_on["pid"])]
-    assert len(started) == 2, started  # one per launch rank: nothing was restarted
+    assert len(started) == 2, started  # one per launch rank
+    survivor = next(event["pid"] for event in started if event["rank"] == 0)
+    resumed = events(tmp_path / "logs", "resumed")
+    (went_on,) = [event for event in resumed if event["source"] == "live" and event["world_size"] == 1]
+    assert went_on["pid"] == survivor and went_on["saved_world_size"] == 2 and went_on["step"] in (9, 10), went_on
+    joined = [event for event in resumed if event["pid"] not in (survivor, *(e["pid"] for e in started))]
+    assert joined and {event["world_size"] for event in joined} == {2}, resumed
+    (let_in,) = [event for event in resumed if event["pid"] == survivor and event["world_size"] == 2]
+    assert let_in["step"] == joined[0]["step"] > went_on["step"], resumed
+    assert {event["pid"] for event in events(tmp_path / "logs", "done")} == {survivor, joined[0]["pid"]}

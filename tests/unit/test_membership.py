@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic_ddp.membership import Generations, Membership, MembershipError, describe
+from elastic_ddp.membership import Generations, Membership, MembershipError, alive, describe
 from elastic_ddp.resilience.agreement import Decision, StopAgreement, decide
 from elastic_ddp.resilience.stop import StopRequests
 
@@ -134,6 +134,27 @@ def test_a_newcomer_joins_the_running_generation_and_is_ranked_after_every_membe
 def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.TCPStore) -> None:
     with pytest.raises(MembershipError, match="no membership is running"):
         Generations(client(server), "n").join()
+
+
+def test_a_newcomer_never_forms_a_membership_alone_when_every_member_is_gone(server: dist.TCPStore) -> None:
+    """Every member's process ended (their liveness sockets refuse) before the newcomer arrived: the generation it
+    opens closes with it alone, which is refused, so its node does not train as if it were the job."""
+    a, b = launch(server, ["a", "b"], last_call_s=60)
+    a.close()
+    b.close()
+    with pytest.raises(MembershipError, match="ended before worker n joined"):
+        Generations(client(server), "n", last_call_s=60, timeout_s=30).join()
+
+
+def test_a_membership_whose_members_finished_is_alive_for_the_agents_but_not_one_to_join(
+        server: dist.TCPStore) -> None:
+    """The end of training is not a loss to the rendezvous, but a node starting workers then has nothing to join."""
+    a, b = launch(server, ["a", "b"])
+    assert alive(client(server)) and alive(client(server), finished_counts=False)
+    a.finish()
+    b.finish()
+    assert alive(client(server))
+    assert not alive(client(server), finished_counts=False)
 
 
 def test_a_launch_whose_peer_never_publishes_is_a_membership_error_in_time(server: dist.TCPStore) -> None:
