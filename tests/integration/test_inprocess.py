@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -112,21 +113,31 @@ TORCHRUN_STEPS, TORCHRUN_SAMPLES = 40, 480
 
 
 def two_in_process_agents(endpoint: str, tmp_path: Path, script: list[str], env: dict[str, str],
-                          max_restarts: int) -> list[int]:
+                          max_restarts: int, *, nnodes: str = "2", added_once: Path | None = None) -> list[int]:
     """Two one-worker torchrun agents on the etcd-v3 handler with ``in_process=true``, run to their end (node
     ``n``'s script arguments get ``{node}`` replaced by ``n``); their exit statuses, their logs in the message
-    of a failing assertion."""
+    of a failing assertion. ``added_once``: a third agent is started once that file exists (``nnodes`` then
+    allows it), and its status comes last."""
     run_id = uuid.uuid4().hex[:8]
-    agents = []
-    for node in range(2):
+    agents: list[subprocess.Popen[bytes]] = []
+
+    def start(node: int) -> None:
         with open(tmp_path / f"agent-{node}.log", "wb") as log:
             agents.append(subprocess.Popen(
-                [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
+                [*TORCHRUN, f"--nnodes={nnodes}", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
                  "--monitor-interval=0.5", "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}",
                  f"--rdzv-id={run_id}", "--rdzv-conf=last_call_timeout=1,join_timeout=120,read_timeout=30,in_process=true",
                  "--local-addr=127.0.0.1", *(part.replace("{node}", str(node)) for part in script)],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
     try:
+        for node in range(2):
+            start(node)
+        if added_once is not None:
+            deadline = time.monotonic() + 120
+            while not added_once.exists() and agents[0].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # polls for the file the job writes
+            start(2)
         for agent in agents:
             agent.wait(timeout=240)
     finally:
@@ -138,7 +149,7 @@ def two_in_process_agents(endpoint: str, tmp_path: Path, script: list[str], env:
 
 
 def agent_logs(tmp_path: Path) -> str:
-    return "\n".join((tmp_path / f"agent-{node}.log").read_text(errors="replace")[-4000:] for node in range(2))
+    return "\n".join(log.read_text(errors="replace")[-4000:] for log in sorted(tmp_path.glob("agent-*.log")))
 
 
 def test_under_torchrun_in_process_mode_the_survivor_of_a_lost_worker_keeps_its_process(
@@ -195,6 +206,34 @@ def test_under_torchrun_in_process_mode_a_restarted_worker_joins_the_survivor_wh
         assert report["world_size"] == 2 and report["generation"] >= 1, report
     assert (survivor["rank"], joiner["rank"]) == (0, 1)
     assert survivor["generation"] == joiner["generation"]
+
+
+def test_under_torchrun_in_process_mode_a_node_added_to_a_running_job_joins_without_stopping_the_members(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """A third agent starts while two train (``--nnodes=2:3``): its handler finds their membership going on and
+    its worker joins it under a new node rank; the members let it in at a step boundary in their own processes,
+    and all three end at the last step with the uninterrupted run's data."""
+    steps = 100
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               ELASTIC_DDP_TEST_STEPS=str(steps), ELASTIC_DDP_TEST_MARK_AT="5")
+    statuses = two_in_process_agents(etcd_server.endpoint, tmp_path, [str(TORCHRUN_FIXTURE), str(tmp_path)], env, 0,
+                                     nnodes="2:3", added_once=tmp_path / "reached")
+    assert statuses == [0, 0, 0], agent_logs(tmp_path)
+    reports = {path.name.split("-")[1]: json.loads(path.read_text()) for path in tmp_path.glob("rank-*.json")}
+    assert sorted(reports) == ["0", "1", str(1 << 16 | 1)], reports  # the added node's rank: above any round's
+    newcomer = reports.pop(str(1 << 16 | 1))
+    sampler = ElasticSampler(TORCHRUN_SAMPLES, global_batch_size=BATCH, seed=0, rank=0, world_size=1)
+    for _ in range(steps):
+        sampler.commit(sampler.plan())
+    for node, member in reports.items():
+        assert (tmp_path / f"pids-{node}.txt").read_text().split() == [str(member["pid"])]  # never restarted
+        assert [step for step, _ in member["trained"]] == list(range(1, steps + 1)), member
+    assert 5 <= newcomer["resumed"] < steps, newcomer
+    assert [step for step, _ in newcomer["trained"]] == list(range(newcomer["resumed"] + 1, steps + 1)), newcomer
+    for report in (*reports.values(), newcomer):
+        assert report["step"] == steps and report["data_digest"] == sampler.data_digest, report
+        assert (report["world_size"], report["generation"]) == (3, 1), report
+    assert [reports["0"]["rank"], reports["1"]["rank"], newcomer["rank"]] == [0, 1, 2]
 
 
 def test_the_trainer_path_under_torchrun_in_process_mode_goes_on_in_the_survivors_process_and_lets_the_restart_in(
