@@ -4,7 +4,8 @@
   python -m chaos run SCENARIO [--report-dir DIR]   a scenario (a name from the library or a .toml path);
                                                     exit 0 only if every check passed; --script PATH
                                                     [--script-args ARGS] trains another script (the
-                                                    library path: examples/byo_loop/train.py)
+                                                    library path: examples/byo_loop/train.py);
+                                                    --in-process: with the handler's in-process mode
   python -m chaos demo [--report-dir DIR]           the 'demo' scenario (about a minute), then its report
   python -m chaos launch --nodes 2:3 --nproc-per-node 2 [--etcd ENDPOINT] [--nodes-start N] -- SCRIPT ARGS...
                                                     a local elastic job: `elastic-ddp launch` (the
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from chaos.scenario import ChaosError, load_scenario, scenario_names, with_script
+from chaos.scenario import ChaosError, in_process, load_scenario, scenario_names, with_script
 from elastic_ddp.errors import ElasticDDPError
 
 
@@ -51,6 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     if getattr(args, "script", ""):
         scenario = with_script(scenario, args.script, shlex.split(args.script_args))
+    if getattr(args, "in_process", False):
+        scenario = in_process(scenario)
     report_dir = Path(args.report_dir or f"chaos-reports/{scenario.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     options = RunOptions(workdir=report_dir / "work", cache_dir=Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     print(f"chaos: {scenario.name}: {scenario.description}\n  work and report in {report_dir}", file=sys.stderr)
@@ -99,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                      "examples/byo_loop/train.py, the library path); it takes the runner's flags (chaos/scenario.py)")
     run.add_argument("--script-args", default="", help="the script's own arguments, one shell-quoted string "
                      "(the scenario's job.args belong to its own script and are dropped with --script)")
+    run.add_argument("--in-process", action="store_true", help="with the etcd-v3 handler's in-process mode "
+                     "(--rdzv-conf in_process=true): the workers no fault hit must keep their processes")
     demo = commands.add_parser("demo", help="run the demo scenario (etcd, 2 nodes, a killed worker, a preemption)")
     for sub in (run, demo):
         sub.add_argument("--report-dir", default="", help="report and work files (default chaos-reports/NAME-TIME)")

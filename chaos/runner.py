@@ -160,7 +160,8 @@ def job_spec(scenario: Scenario, services: Services, workdir: Path) -> JobSpec:
     return JobSpec(
         script=job.script, args=args, nnodes=cluster.nodes, nproc_per_node=cluster.nproc_per_node,
         rdzv_backend=cluster.rdzv_backend, rdzv_endpoint=services.rdzv_endpoint,
-        rdzv_conf=dict(ETCD_CONF if cluster.rdzv_backend == "etcd-v3" else RDZV_CONF),
+        rdzv_conf={**(ETCD_CONF if cluster.rdzv_backend == "etcd-v3" else RDZV_CONF),
+                   **({"in_process": "true"} if cluster.in_process else {})},
         run_id=scenario.name, max_restarts=cluster.max_restarts, env={**NODE_ENV, **services.node_env},
         prefork=cluster.prefork,
     )
@@ -383,7 +384,9 @@ class ScenarioRun:
                          ended_at=ended_at, timed_out=self.timed_out, nodes=nodes,
                          faults=[fault.record for fault in self.faults], steps=steps, events=events,
                          commits=list(self.store.commits), final=final, final_error=final_error, reference=reference,
-                         event_problems=problems, ledger=read_ledger_facts(workdir / "logs"))
+                         event_problems=problems, ledger=read_ledger_facts(workdir / "logs"),
+                         in_process=self.scenario.cluster.in_process,
+                         nproc_per_node=self.scenario.cluster.nproc_per_node)
         if final is not None and {step.world_size for step in steps} != {reference.world_size}:
             facts.weights = compare_weights(final_weights(self.services.checkpoint_uri, self.services.store_options),
                                             final_weights(reference.checkpoint_uri))

@@ -25,6 +25,7 @@ A scenario file (see ``chaos/scenarios/*.toml``)::
     etcd = "embedded"             # "none", "embedded" (one member) or "cluster" (three members)
     checkpoint = "local"          # or "s3" (an embedded S3 endpoint behind a fault proxy)
     prefork = true                # workers start from a fork server (default); false for hang-* faults
+    in_process = false            # the etcd-v3 handler's in-process mode: survivors keep their processes
 
     [[faults]]
     kind = "kill-worker"
@@ -227,6 +228,10 @@ class ClusterConfig:
     node's; a join, which restarts the groups without a failure, consumes none."""
     prefork: bool = True
     """Workers start through :mod:`elastic_ddp.prefork`: restarts skip importing torch."""
+    in_process: bool = False
+    """``--rdzv-conf in_process=true`` (etcd-v3 only): the workers keep their processes through a membership change,
+    a restarted or added node's workers join the running membership, and the verifier checks that every worker
+    no fault hit kept its process (``survivors-kept-processes``)."""
     network: str = "loopback"
     """``loopback``: everything on 127.0.0.1. ``namespaces``: each node, etcd member and the S3 endpoint in a
     network namespace of its own on one bridge (:mod:`chaos.netns`; needs root, ``ip`` and ``nft``), which the
@@ -366,6 +371,18 @@ def with_script(scenario: Scenario, script: str, args: Sequence[str] = ()) -> Sc
     return dataclasses.replace(scenario, job=dataclasses.replace(scenario.job, script=str(path), args=tuple(args)))
 
 
+def in_process(scenario: Scenario) -> Scenario:
+    """The scenario with the etcd-v3 handler's in-process mode (``run --in-process``).
+
+    Raises:
+        ScenarioError: its rendezvous is not etcd-v3's.
+    """
+    if scenario.cluster.rdzv_backend != "etcd-v3":
+        raise ScenarioError(f"--in-process: {scenario.name} uses rdzv_backend {scenario.cluster.rdzv_backend!r}; "
+                            "the in-process mode is the etcd-v3 handler's")
+    return dataclasses.replace(scenario, cluster=dataclasses.replace(scenario.cluster, in_process=True))
+
+
 def _parse_job(reader: _Reader, problems: list[str]) -> JobConfig:
     script = reader.string("script", required=True)
     args = tuple(reader.strings("args"))
@@ -410,11 +427,14 @@ def _parse_cluster(reader: _Reader, problems: list[str]) -> ClusterConfig:
         checkpoint=reader.choice("checkpoint", ("local", "s3"), "local"),
         max_restarts=reader.integer("max_restarts", default=30, minimum=0),
         prefork=reader.boolean("prefork", default=True),
+        in_process=reader.boolean("in_process", default=False),
         network=reader.choice("network", ("loopback", "namespaces"), "loopback"),
     )
     reader.reject_unknown()
     if not low <= cluster.start_nodes <= high:
         problems.append(f"cluster.start_nodes: {cluster.start_nodes} is outside nodes {nodes!r}")
+    if cluster.in_process and cluster.rdzv_backend != "etcd-v3":
+        problems.append("cluster.in_process: the in-process mode is the etcd-v3 handler's; set rdzv_backend = 'etcd-v3'")
     if cluster.rdzv_backend == "etcd-v3" and cluster.etcd == "none":
         problems.append("cluster.etcd: rdzv_backend 'etcd-v3' needs etcd = 'embedded' or 'cluster'")
     if cluster.network == "namespaces" and cluster.rdzv_backend != "etcd-v3":

@@ -76,7 +76,9 @@ class JobEvent:
     text: str = ""
     """The error or detail it carries (an agent line: the line)."""
     source: str = ""
-    """Where a ``resumed`` event's state came from: ``storage`` or ``replica``."""
+    """Where a ``resumed`` event's state came from: ``storage``, ``replica`` or ``live`` (kept in its process)."""
+    pid: int | None = None
+    """The worker process that wrote it (None for an agent's line)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,9 @@ class RunFacts:
     """Lines of the events file that are not valid events (or why there is no events file)."""
     ledger: LedgerFacts | None = None
     """The job's sample ledger as read back; None: not read (no ``sample-ledger`` check)."""
+    in_process: bool = False
+    """The job ran in the etcd-v3 handler's in-process mode: the ``survivors-kept-processes`` check is made."""
+    nproc_per_node: int = 1
 
 
 @dataclass(frozen=True)
@@ -209,7 +214,7 @@ def job_events(records: Iterable[Mapping[str, Any]], nodes: Mapping[int, str]) -
         events.append(JobEvent(float(record["time"]), node, str(record["event"]), rank=record["rank"],
                                step=_int(record.get("step")), path=str(record.get("path", "")),
                                world_size=_int(record.get("world_size")), reason=str(record.get("reason", "")),
-                               text=str(text), source=str(record.get("source", ""))))
+                               text=str(text), source=str(record.get("source", "")), pid=_int(record.get("pid"))))
     return events
 
 
@@ -287,6 +292,7 @@ def run_checks(facts: RunFacts) -> list[Check]:
         check_weights(facts.steps, facts.final, facts.reference, facts.weights),
         check_loads(facts.events, facts.commits, facts.faults, facts.steps),
         *([check_ledger(facts.ledger, facts.final)] if facts.ledger is not None else []),
+        *([check_kept_processes(facts.events, facts.faults, facts.nproc_per_node)] if facts.in_process else []),
     ]
 
 
@@ -337,6 +343,37 @@ def check_survivors(nodes: list[NodeOutcome]) -> Check:
     if bad:
         return Check("survivors-exit-0", False, "; ".join(bad) + note)
     return Check("survivors-exit-0", True, f"{', '.join(node.name for node in survivors)} exited 0" + note)
+
+
+_WORKER_TARGET = re.compile(r"^rank (\d+)")
+
+
+def check_kept_processes(events: list[JobEvent], faults: list[FaultRecord], nproc_per_node: int) -> Check:
+    """In-process mode: every node that no fault hit (a worker of it killed, the node itself taken) ran each of
+    its workers in one process from its first attempt to its end, and at least one node did: the survivors of a
+    membership change keep their processes; only the workers a fault hit are started again."""
+    name = "survivors-kept-processes"
+    workers = [event for event in events if event.pid is not None and event.kind not in AGENT_KINDS]
+    hit = {record.target for record in faults if record.fired}
+    for record in faults:  # a worker fault names a rank: the node whose worker held it last before the fault
+        match = _WORKER_TARGET.match(record.target)
+        if record.fired_at is not None and match:
+            held = [event for event in workers if event.rank == int(match.group(1)) and event.time <= record.fired_at]
+            hit |= {max(held, key=lambda event: event.time).node} if held else set()
+    pids: dict[str, list[int]] = {}
+    for event in sorted(workers, key=lambda event: event.time):
+        if event.pid not in pids.setdefault(event.node, []):
+            pids[event.node].append(event.pid)  # type: ignore[arg-type]
+    survivors = sorted(node for node in pids if node not in hit)
+    if not survivors:
+        return Check(name, False, f"every node that trained was hit by a fault ({', '.join(sorted(pids))}): no survivor "
+                     "to check")
+    restarted = [f"{node}: {len(pids[node])} worker processes ({', '.join(map(str, pids[node]))}) for "
+                 f"{nproc_per_node} worker(s)" for node in survivors if len(pids[node]) > nproc_per_node]
+    if restarted:
+        return Check(name, False, "; ".join(restarted) + " although no fault hit it")
+    return Check(name, True, f"{', '.join(f'{node} ({len(pids[node])} process(es))' for node in survivors)} kept their "
+                 f"worker processes through {sum(record.fired for record in faults)} fault(s)")
 
 
 def check_final_checkpoint(final: CheckpointFacts | None, error: str, max_steps: int) -> Check:
@@ -591,6 +628,8 @@ def _clock(when: float) -> str:
 
 
 def _resume_problem(resume: JobEvent, events: list[JobEvent], commits: list[Commit], faults: list[FaultRecord]) -> str:
+    if resume.source == "live":  # an in-process re-formation kept the state it had: nothing was loaded
+        return ""
     if resume.source == "replica":
         saved = [event for event in events if event.kind == Event.REPLICA_SAVED and event.step == resume.step
                  and event.time <= resume.time]

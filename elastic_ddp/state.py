@@ -215,7 +215,7 @@ class TrainState:
         for name, obj in self.extra.items():
             obj.load_state_dict(replicated[name])
         self.sampler.load_state_dict(meta)
-        self.counters = Counters(step=_step_of(meta))
+        self.counters.step = _step_of(meta)  # in place: a loop holding the counters reads the restored step
         self.restored_meta = dict(meta)
         if rank_local is not None:
             _set_rng(rank_local["rng"])

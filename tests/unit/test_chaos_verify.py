@@ -26,6 +26,7 @@ from chaos.verify import (
     check_events,
     check_faults_fired,
     check_final_checkpoint,
+    check_kept_processes,
     check_loads,
     check_survivors,
     check_weights,
@@ -427,3 +428,41 @@ def test_a_long_scenarios_reference_run_gets_the_scenarios_time_not_15_minutes(
     with pytest.raises(Stop):
         run_scenario(scenario, RunOptions(workdir=tmp_path / "work", cache_dir=tmp_path / "cache"))
     assert limits == [scenario.timeout_s]
+
+
+def in_process_run(node1_pids: list[int], node0_pids: list[int]) -> tuple[list[JobEvent], list[FaultRecord]]:
+    """rank 1 (node1) is killed at t=5; node0's worker goes on; node1's new worker(s) join at t=7."""
+    events = [event(0.0, "started_fresh", rank=0, pid=node0_pids[0]),
+              event(0.0, "started_fresh", rank=1, node="node1", pid=node1_pids[0]),
+              *(event(5.5 + i, "resumed", rank=0, pid=pid, source="live") for i, pid in enumerate(node0_pids)),
+              *(event(7.0, "resumed", rank=1, node="node1", pid=pid, source="replica") for pid in node1_pids[1:])]
+    return events, [FaultRecord(0, "kill-worker", "0:kill-worker", fired_at=T0 + 5.0, target="rank 1 (pid 99)")]
+
+
+def test_in_process_the_node_a_fault_hit_may_start_workers_again_and_the_others_keep_theirs() -> None:
+    check = check_kept_processes(*in_process_run([11, 12], [10]), nproc_per_node=1)
+    assert check.passed and "node0 (1 process(es))" in check.message, check
+
+
+def test_in_process_a_survivor_whose_worker_was_started_again_fails_naming_the_node_and_its_processes() -> None:
+    check = check_kept_processes(*in_process_run([11, 12], [10, 13]), nproc_per_node=1)
+    assert not check.passed and check.message.startswith("node0: 2 worker processes (10, 13)"), check
+
+
+def test_the_rank_a_fault_names_is_the_node_that_held_it_last_when_ranks_moved() -> None:
+    """After an in-process shrink rank 0 may be another node's worker: the fault hits the latest holder."""
+    events = [event(0.0, "started_fresh", rank=0, pid=10), event(0.0, "started_fresh", rank=1, node="node1", pid=11),
+              event(3.0, "resumed", rank=0, node="node1", pid=11, source="live"),
+              event(6.0, "resumed", rank=0, pid=12, source="replica")]
+    faults = [FaultRecord(0, "kill-worker", "0:kill-worker", fired_at=T0 + 2.0, target="rank 0 (pid 1)"),
+              FaultRecord(1, "kill-worker", "1:kill-worker", fired_at=T0 + 5.0, target="rank 0 (pid 2)")]
+    check = check_kept_processes(events, faults, nproc_per_node=1)
+    assert not check.passed and "every node that trained was hit" in check.message, check
+    check = check_kept_processes(events, faults[1:], nproc_per_node=1)
+    assert not check.passed and check.message.startswith("node0: 2 worker processes"), check
+
+
+def test_a_live_resume_loaded_nothing_and_needs_no_commit() -> None:
+    facts = clean_facts()
+    facts.events.append(event(9.5, "resumed", rank=0, step=45, source="live", world_size=1))
+    assert check_loads(facts.events, facts.commits, facts.faults, facts.steps).passed

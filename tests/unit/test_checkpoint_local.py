@@ -64,6 +64,18 @@ def test_save_then_restore_round_trips_every_part(tmp_path: Path) -> None:
     assert fresh.counters == state.counters
 
 
+def test_a_restore_moves_the_counters_that_the_training_loop_already_holds(tmp_path: Path) -> None:
+    """A loop holds ``state.counters`` across a restore in its process (an in-process re-formation loads the
+    newest replica): the step it reads must be the restored one."""
+    state = make_state()
+    advance(state, 3)
+    manager(tmp_path).save(state)
+    fresh = make_state(seed=1)
+    held = fresh.counters
+    manager(tmp_path).restore(fresh)
+    assert held.step == 3 and fresh.counters is held
+
+
 def test_manifest_is_written_last_and_lists_sizes_and_checksums(tmp_path: Path) -> None:
     state = make_state()
     advance(state)
