@@ -16,8 +16,9 @@ the next generation, which it opens. Ranks keep the order of the generation befo
 old rank order; then newcomers in arrival order), so rank 0 stays rank 0 while it lives.
 
 Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
-counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``closed`` (the
-member list, one ``uid`` per line in rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
+counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``without``
+(the members agreed to leave, written before ``open``), ``closed`` (the member list, one ``uid`` per line in
+rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
 ``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``),
 ``elastic_ddp/generations/finished/<uid>`` says it ended its training as planned, and
 ``elastic_ddp/generations/latest`` the newest closed generation a closer wrote (a hint: a worker that joins a
@@ -32,6 +33,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -116,17 +118,22 @@ class Generations:
 
     # -- a change ------------------------------------------------------------
 
-    def next(self, reason: str) -> Membership:
+    def next(self, reason: str, *, leaving: Iterable[int] = ()) -> Membership:
         """The next membership that holds this worker: open the generation after the current one (unless a peer
-        did), arrive, and wait for it to close; arriving late, go on to the one after. Raises
-        :class:`MembershipError` when none closes with this worker within ``timeout_s``."""
+        did), arrive, and wait for it to close; arriving late, go on to the one after. ``leaving``: ranks of the
+        current membership that leave it (every member agreed on them): the generation is closed without them,
+        whether or not they arrive, and without waiting for them. Raises :class:`MembershipError` when none
+        closes with this worker within ``timeout_s``."""
         current = self._require_current()
         newer = self.changed()
         if newer is not None:
             return self._adopt(newer)
         deadline = time.monotonic() + self.timeout_s
         generation = current.generation + 1
+        without = "\n".join(current.members[rank] for rank in sorted(set(leaving)))
         while True:
+            if without:  # before it opens: whoever waits for it reads who is not to be waited for
+                self.store.compare_set(self._key(generation, "without"), "", without)
             self.store.compare_set(self._key(generation, "open"), "", reason)
             membership = self._arrive_and_wait(generation, deadline)
             if membership is not None:
@@ -242,7 +249,8 @@ class Generations:
         if first_time:
             index = self.store.add(self._key(generation, "arrivals"), 1)
             self.store.set(self._key(generation, f"arrival/{index}"), f"{self._old_rank()}:{self.uid}")
-        members = set(self._require_current().members)
+        without = self._without(generation)
+        members = set(self._require_current().members) - without
         arrived: set[str] = set()
         dead: set[str] = set()
         seen, changed_at = 0, time.monotonic()
@@ -257,7 +265,7 @@ class Generations:
                 seen, changed_at = count, now
             dead |= {uid for uid in members - arrived - dead if self._refuses(uid)}
             if members <= arrived | dead or now - changed_at >= self.last_call_s:
-                self._close(generation, count)
+                self._close(generation, count, without)
                 continue
             if now > deadline:
                 raise MembershipError(f"generation {generation} did not close within {self.timeout_s:g} s "
@@ -306,9 +314,13 @@ class Generations:
                 return
             connection.close()
 
-    def _close(self, generation: int, count: int) -> None:
-        """Propose the first ``count`` arrivals as the members (an arrival whose entry does not appear within
-        ``last_call_s`` is left out: it died between counting itself and writing its entry)."""
+    def _without(self, generation: int) -> set[str]:
+        key = self._key(generation, "without")
+        return set(self.store.get(key).decode().split("\n")) if self.store.check([key]) else set()
+
+    def _close(self, generation: int, count: int, without: set[str]) -> None:
+        """Propose the first ``count`` arrivals but those ``without`` as the members (an arrival whose entry does
+        not appear within ``last_call_s`` is left out: it died between counting itself and writing its entry)."""
         entries: list[tuple[tuple[int, int], str]] = []
         for index in range(1, count + 1):
             key = self._key(generation, f"arrival/{index}")
@@ -317,6 +329,8 @@ class Generations:
             except dist.DistStoreError:
                 continue
             old_rank, _, uid = self.store.get(key).decode().partition(":")
+            if uid in without:
+                continue
             survivor = int(old_rank) >= 0  # survivors first, in their old order; then newcomers as they came
             entries.append(((0, int(old_rank)) if survivor else (1, index), uid))
         members = [uid for _, uid in sorted(entries)]

@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, ParamSpec, cast
 
@@ -256,6 +257,8 @@ class Runtime:
         """The process exit status, once the ``with`` block is left."""
         self.stop_reason: ExitReason | None = None
         """Why the loop stopped early (an agreed stop), if it did."""
+        self._leaves_alone = False
+        """This rank was asked to stop and leaves a membership that goes on without it (:meth:`_leave_alone`)."""
         self._hooks: list[Any] = []
         self._done_reported = False
         self._group_broken = False
@@ -556,7 +559,7 @@ class Runtime:
         now = time.perf_counter()
         self.state.counters.step = step
         decision = self.agree(now - self._last_boundary)
-        if not decision.stop:
+        if not decision.stop and not decision.leaving:  # ranks that leave take part in no save
             self.save_if_due(decision.save_due)
         self._last_boundary = time.perf_counter()
         return decision
@@ -577,9 +580,28 @@ class Runtime:
         decision = world.agreement.after_step(step, step_time, world.save_due_by_time(), world.background_failed())
         if decision.save_failed:
             world.raise_agreed_save_failure()
+        if decision.stop and decision.staying and self._news is not None:
+            decision = self._leave_alone(decision, world)
         if decision.stop:
             self.stop_reason = decision.stop
         return decision
+
+    def _leave_alone(self, decision: Decision, world: World) -> Decision:
+        """A loop that follows a membership, at a stop that some ranks were not asked for (their nodes were not
+        preempted): the asked ranks leave alone, without the emergency save, as the members go on from this
+        step's live state, and the others go on in the next membership without them (``Decision.leaving``,
+        where the loop re-forms). One all-gather of who was asked, on every rank at this step."""
+        asked = torch.tensor([int(world.agreement.requests.requested)], dtype=torch.int32)
+        gathered = [torch.zeros(1, dtype=torch.int32) for _ in range(world.world_size)]
+        dist.all_gather(gathered, asked, group=world.agreement.group)
+        leaving = tuple(rank for rank, flag in enumerate(gathered) if int(flag.item()))
+        if asked.item():
+            self._leaves_alone = True
+            logger.info("rank %d leaves the membership at step %d (%s); the other %d rank(s) go on without it",
+                        world.rank, self.state.counters.step, world.agreement.reason,
+                        world.world_size - len(leaving))
+            return replace(decision, leaving=leaving)
+        return replace(decision, stop=None, save_due=False, leaving=leaving)
 
     def _require_restored(self, call: str) -> World:
         world = self._open_world(call)
@@ -617,7 +639,10 @@ class Runtime:
         world = self._open_world("finish")
         self.lifecycle = Lifecycle.FINISHED
         world.agreement.settle()
-        if self.stop_reason is not None:
+        if self.stop_reason is not None and self._leaves_alone:
+            logger.warning("stop agreed at step %d (%s): this rank leaves the membership, which goes on with the "
+                           "live state (no emergency save)", self.state.counters.step, self.stop.reason)
+        elif self.stop_reason is not None:
             main_only(logger, world.rank).warning(
                 "stop agreed at step %d (%s%s)", self.state.counters.step, self.stop_reason.value,
                 f": {self.stop.reason}" if self.stop.reason else ": requested by a peer")

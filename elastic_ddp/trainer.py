@@ -184,6 +184,13 @@ class Trainer:
                     progress.update(counters.step, f"loss {last_loss:.4f}" if last_loss is not None else "")
                     if stop_reason is not None:
                         break
+                    if decision.leaving:  # their nodes preempted, ranks leave now: no collective of theirs follows
+                        batches = iter(())
+                        self._go_on_in_the_next_membership(
+                            f"rank(s) {', '.join(map(str, decision.leaving))} left", leaving=decision.leaving)
+                        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
+                                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
+                        continue
                     self._periodic_checks()
                     self.runtime.save_if_due(decision.save_due)
                     collection.step(counters.step)
@@ -214,9 +221,10 @@ class Trainer:
                                stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
 
-    def _go_on_in_the_next_membership(self, why: str, *, joined: bool = False) -> None:
-        """In-process mode, after a peer's loss (``why``: what the failed collective said) or at the step where
-        a worker joins (``joined``): agree on the next membership with the other members, re-form in this
+    def _go_on_in_the_next_membership(self, why: str, *, joined: bool = False, leaving: tuple[int, ...] = ()) -> None:
+        """In-process mode, after a peer's loss (``why``: what the failed collective said), at the step where
+        a worker joins (``joined``) or where ranks leave (``leaving``, asked to stop): agree on the next
+        membership with the other members, re-form in this
         process (:meth:`Runtime.reform`: the live state kept when it is a complete state of the last step; a
         joiner receives it) and wrap the model again; everything that depends on the rank or the world size
         follows the new membership."""
@@ -224,7 +232,7 @@ class Trainer:
         launched = self.launched
         self.optimizer.zero_grad(set_to_none=True)
         before = launched.generations.current
-        agreed = launched.generations.next(why)
+        agreed = launched.generations.next(why, leaving=leaving)
         self.runtime.reform(launched.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
                             generation=agreed.generation, backend=self.context.backend, device=self.device,
                             timeout_s=self.config.dist.collective_timeout_s, joined=joined)
@@ -236,7 +244,7 @@ class Trainer:
         self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
         self._graph_checked = False  # a collective of the first step: every member runs it with a joiner's first
         logger.warning("rank %d: %s; went on in this process: %s", agreed.rank,
-                       why if joined else f"a peer was lost ({why})", describe(agreed, before))
+                       why if joined or leaving else f"a peer was lost ({why})", describe(agreed, before))
 
     def _periodic_checks(self) -> None:
         step = self.state.counters.step

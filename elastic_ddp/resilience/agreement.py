@@ -58,13 +58,21 @@ class Decision:
     membership: int = 0
     """The generation of a newer membership some rank was told of (a worker joined, see
     :mod:`elastic_ddp.membership`): every rank goes on in it from this step boundary. 0: none."""
+    staying: bool = False
+    """With a stop: some rank was not asked to stop (an in-process membership then lets the asked ones leave
+    alone, :meth:`elastic_ddp.runtime.Runtime.agree`)."""
+    leaving: tuple[int, ...] = ()
+    """The ranks that leave the membership at this step while this one goes on in the next (in-process mode;
+    set by the runtime, not the agreement): the loop re-forms without them."""
 
 
-def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False, membership: int = 0) -> Decision:
+def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False, membership: int = 0,
+           staying: bool = False) -> Decision:
     """The decision from the agreed flags (pure)."""
     if not stop_any:
         return Decision(None, save_any, failed_any, membership)
-    return Decision(ExitReason.PREEMPTED if asked_here else ExitReason.PEER_LOST, save_any, failed_any, membership)
+    return Decision(ExitReason.PREEMPTED if asked_here else ExitReason.PEER_LOST, save_any, failed_any, membership,
+                    staying)
 
 
 class PhaseMarker(Protocol):
@@ -136,11 +144,13 @@ class StopAgreement:
         pending, self._pending = self._pending, None
         if pending is not None:  # started one step ago on every rank, so read at the same step everywhere
             flags = self._wait_for(pending)
-            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested, bool(flags[2]), int(flags[4]))
+            decision = decide(bool(flags[0]), bool(flags[1]), self.requests.requested, bool(flags[2]), int(flags[4]),
+                              bool(flags[5]))
             self._next = step - int(flags[3]) - 1
         if step >= self._next:
             steps = agreement_interval(step_time, self.interval_s)
-            flags = torch.tensor([self.requests.requested, save_due, save_failed, -steps, news], dtype=torch.int32)
+            flags = torch.tensor([self.requests.requested, save_due, save_failed, -steps, news,
+                                  not self.requests.requested], dtype=torch.int32)
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (flags, work)
         return decision

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_ddp.membership import Generations, Membership, MembershipError, alive, describe
 from elastic_ddp.resilience.agreement import Decision, StopAgreement, decide
+from elastic_ddp.resilience.exits import ExitReason
 from elastic_ddp.resilience.stop import StopRequests
 
 
@@ -136,6 +137,20 @@ def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.T
         Generations(client(server), "n").join()
 
 
+def test_members_agreed_to_leave_are_left_out_though_their_watchers_arrive_and_nobody_waits_for_them(
+        server: dist.TCPStore) -> None:
+    """Rank 2 leaves (its node preempted; every member agreed at one step) but its process still lives and its
+    watcher arrives: the next generation holds a and b only, closed without the last call."""
+    a, b, c = launch(server, ["a", "b", "c"], last_call_s=60)
+    with watching([b, c]):
+        started = time.monotonic()
+        assert a.next("rank 2 left", leaving=[2]).members == ("a", "b")
+        assert wait_changed(b).members == ("a", "b")
+        assert time.monotonic() - started < 30
+        assert c.changed() is None  # not in it
+    c.close()
+
+
 def test_a_newcomer_never_forms_a_membership_alone_when_every_member_is_gone(server: dist.TCPStore) -> None:
     """Every member's process ended (their liveness sockets refuse) before the newcomer arrived: the generation it
     opens closes with it alone, which is refused, so its node does not train as if it were the job."""
@@ -174,6 +189,13 @@ def test_a_uid_that_cannot_be_stored_is_refused(server: dist.TCPStore, uid: str)
 def test_describe_names_who_left_and_who_joined() -> None:
     before, after = Membership(0, ("a", "b", "c"), "a"), Membership(1, ("a", "c", "n"), "a")
     assert describe(after, before) == "generation 1: 3 worker(s) (was 3; left: b; joined: n)"
+
+
+def test_a_stop_some_rank_was_not_asked_for_says_so_and_one_all_ranks_were_asked_for_does_not() -> None:
+    assert decide(True, False, True, staying=True) == Decision(ExitReason.PREEMPTED, staying=True)
+    assert decide(True, False, False, staying=True).stop is ExitReason.PEER_LOST
+    assert not decide(True, False, True, staying=False).staying
+    assert decide(False, False, False, staying=True) == Decision()  # no stop: nothing to stay for
 
 
 def test_the_stop_agreement_carries_the_newest_membership_a_rank_was_told_of() -> None:
