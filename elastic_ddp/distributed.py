@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ import torch.distributed as dist
 from elastic_ddp._torch_compat import group_abort
 from elastic_ddp.config import DistConfig
 from elastic_ddp.errors import DistributedInitError
+
+if TYPE_CHECKING:
+    from elastic_ddp.inprocess import LaunchedMembership
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +103,9 @@ class DistContext:
     env: LaunchEnv
     device: torch.device
     backend: str
+    membership: LaunchedMembership | None = None
+    """Under the etcd-v3 handler's in-process mode: the worker membership this process joined (give it to the
+    runtime); None otherwise."""
 
     @property
     def rank(self) -> int:

@@ -68,8 +68,6 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
             trainer = Trainer(config, context, built, log_context=log, events=events, launched=launched)
             with trainer.make_runtime() as runtime:
                 trainer.run(runtime)
-            if launched is not None and runtime.exit_status == 0 and runtime.stop_reason is None:
-                launched.generations.finish()  # the end of training, not a loss, to the rendezvous
         assert runtime.exit_status is not None
         return runtime.exit_status
     except Exception as exc:

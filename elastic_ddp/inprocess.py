@@ -49,6 +49,8 @@ class LaunchedMembership:
     membership: Membership
     addr: str
     timeout_s: float
+    backend: str
+    device: torch.device
     joined: bool = False
     """This worker joined a running membership (a restarted or added node's): restore with ``Runtime.join``."""
     hosted: list[dist.TCPStore] = field(default_factory=list)
@@ -67,11 +69,6 @@ class LaunchedMembership:
         self.store.wait([key], timeout)
         host, _, port = self.store.get(key).decode().rpartition(":")
         return dist.TCPStore(host, int(port), membership.world_size, False, timeout=timeout)
-
-
-def in_process_launch() -> bool:
-    """Whether this worker runs under the etcd-v3 handler's in-process mode."""
-    return bool(os.environ.get(LAUNCH_ENV))
 
 
 def joining_launch() -> bool:
@@ -107,7 +104,8 @@ def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,
         membership = generations.first(env.rank, env.world_size)
         if membership.rank == 0:
             create_worker_store(spec).set(RUNNING_KEY, str(round_))
-    launched = LaunchedMembership(store, generations, membership, spec["addr"], timeout_s, joined=joining)
+    launched = LaunchedMembership(store, generations, membership, spec["addr"], timeout_s, backend, device,
+                                  joined=joining)
     form_membership_group(launched.group_store(membership), rank=membership.rank, world_size=membership.world_size,
                           generation=membership.generation, backend=backend, device=device, timeout_s=timeout_s,
                           abandoned="none")
@@ -117,19 +115,28 @@ def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,
     return launched
 
 
-@contextmanager
-def in_process_distributed(config: DistConfig, env: LaunchEnv) -> Iterator[tuple[DistContext, LaunchedMembership]]:
-    """:func:`elastic_ddp.distributed.distributed` for the in-process mode: the device and backend chosen as
-    there, generation 0 joined (:func:`join_launch`) and its group formed; at the end the watcher is stopped
-    and the group destroyed (a finished run says so first: :meth:`Generations.finish`)."""
+def init_in_process(config: DistConfig, env: LaunchEnv | None = None) -> DistContext:
+    """:func:`elastic_ddp.distributed.init_distributed` for the in-process mode: the device and backend chosen
+    as there, this worker's first membership joined (:func:`join_launch`) and its group formed; the context's
+    rank and world size are the membership's, and ``membership`` is it (give it to the runtime)."""
+    env = env or LaunchEnv.from_env()
     device = select_device(config, env.local_rank)
     backend = select_backend(config, device)
     launched = join_launch(backend=backend, device=device, timeout_s=config.init_timeout_s)
     membership = launched.membership
+    return DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size,
+                                   group_rank=LaunchEnv.from_env().group_rank),
+                       device=device, backend=backend, membership=launched)
+
+
+@contextmanager
+def in_process_distributed(config: DistConfig, env: LaunchEnv) -> Iterator[tuple[DistContext, LaunchedMembership]]:
+    """:func:`init_in_process` for the trainer path; at the end the watcher is stopped and the group destroyed
+    (a finished run said so first: the runtime's :meth:`Generations.finish`)."""
+    context = init_in_process(config, env)
+    assert context.membership is not None
     try:
-        yield DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size,
-                                      group_rank=LaunchEnv.from_env().group_rank), device=device,
-                          backend=backend), launched
+        yield context, context.membership
     finally:
-        launched.generations.close()
+        context.membership.generations.close()
         shutdown_distributed()

@@ -41,6 +41,7 @@ from elastic_ddp.config import CheckpointConfig, DistConfig, ResilienceConfig
 from elastic_ddp.data import ElasticSampler
 from elastic_ddp.distributed import DistContext, LaunchEnv, init_distributed, shutdown_distributed
 from elastic_ddp.events import EventLog
+from elastic_ddp.membership import in_process_launch
 from elastic_ddp.metrics import MetricsWriter
 from elastic_ddp.resilience.agreement import Decision
 from elastic_ddp.runtime import Runtime, entrypoint
@@ -55,7 +56,14 @@ def init_process_group(config: DistConfig | None = None) -> DistContext:
     """Form the default process group from torchrun's environment: NCCL and ``cuda:LOCAL_RANK`` when CUDA is
     available, else gloo on the CPU (``config`` may choose), rank 0's fresh store awaited rather than polled
     (a restart's workers meet at once), and a failure to form it within ``config.init_timeout_s`` one error
-    naming the rank, the store and the timeout. Returns the rank, world size, device and backend."""
+    naming the rank, the store and the timeout. Returns the rank, world size, device and backend.
+
+    Under the etcd-v3 handler's in-process mode (``--rdzv-conf in_process=true``) it joins the workers'
+    membership instead, and ``context.membership`` is it: pass it to ``Runtime.for_loop(membership=...)``."""
+    if in_process_launch():
+        from elastic_ddp.inprocess import init_in_process  # the etcd client, only when asked for
+
+        return init_in_process(config or DistConfig())
     return init_distributed(config or DistConfig())
 
 

@@ -30,6 +30,7 @@ the etcd-backed store (:mod:`elastic_ddp.rendezvous.store`) both serve (docs/des
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -46,6 +47,11 @@ LAUNCH_ENV = "ELASTIC_DDP_MEMBERSHIP"
 """Set by the etcd-v3 handler's in-process mode for its workers: where they meet (:mod:`elastic_ddp.inprocess`)."""
 PROBE_EVERY_S = 0.01
 """The most often one waiter probes one member's liveness socket."""
+
+
+def in_process_launch() -> bool:
+    """Whether this worker runs under the etcd-v3 handler's in-process mode (its agent exported where to meet)."""
+    return bool(os.environ.get(LAUNCH_ENV))
 
 
 class MembershipError(RuntimeError):

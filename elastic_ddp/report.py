@@ -28,10 +28,22 @@ class StepReport:
             accuracy_on(built.eval_data) if built.eval_data is not None and len(built.eval_data) else None  # type: ignore[arg-type]
         )
         self.tokens_per_sample = built.tokens_per_sample
+        self._log, self._events = log, events
         self.metrics = MetricsWriter(log.dir, enabled=rank == 0, tensorboard=log.tensorboard, events=events)
         """Opened before the runtime restores: its ``resumed`` or ``started_fresh`` event is a TensorBoard marker."""
         self.last_eval: tuple[int, dict[str, float]] | None = None
         """The step and metrics of the last evaluation (the final one is not repeated at the same step)."""
+
+    def follow(self, rank: int, world_size: int) -> None:
+        """The membership changed in this process (in-process mode): this rank's view becomes ``rank`` of
+        ``world_size``; a rank that becomes rank 0 takes over the metrics file (appending to it), one that stops
+        being rank 0 leaves it."""
+        if (rank == 0) != (self.rank == 0):
+            self.metrics.close()
+            self.metrics = MetricsWriter(self._log.dir, enabled=rank == 0, tensorboard=self._log.tensorboard,
+                                         events=self._events)
+        self.rank, self.world_size = rank, world_size
+        self.log0 = main_only(logger, rank)
 
     def log_step(self, step: int, epoch: int, lr: float, timer: StepTimer, loss_sum: torch.Tensor) -> float:
         """Log the mean loss since the last line (one all-reduce of ``(sum, samples or units)``) and the step's

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, ParamSpec, cast
+from typing import TYPE_CHECKING, Any, ParamSpec, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from elastic_ddp.distributed import (
 from elastic_ddp.errors import ConfigError, ElasticDDPError, UsageError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import main_only
+from elastic_ddp.membership import describe
 from elastic_ddp.resilience.agreement import Decision, StopAgreement
 from elastic_ddp.resilience.consistency import DivergenceError
 from elastic_ddp.resilience.exits import ExitReason, leave_job, log_exit, peer_loss, tell_the_agent, write_error_file
@@ -65,6 +66,9 @@ from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 from elastic_ddp.resilience.watchdog import Phase, PhaseLimit, Watchdog
 from elastic_ddp.state import Stateful, TrainState, model_digest
 from elastic_ddp.world import World, membership
+
+if TYPE_CHECKING:
+    from elastic_ddp.inprocess import LaunchedMembership
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -229,6 +233,7 @@ class Runtime:
         events: EventLog | None = None,
         rank_log_file: str = "",
         sample_ledger: bool = False,
+        membership: LaunchedMembership | None = None,
     ) -> None:
         self.state = state
         self.checkpoint = checkpoint or CheckpointConfig()
@@ -251,6 +256,12 @@ class Runtime:
         """This membership's parts, while the runtime is entered."""
         self._news: Callable[[], int] | None = None
         """What a loop that follows a membership is told of it (:meth:`follow`)."""
+        self.membership = membership
+        """The worker membership of the etcd-v3 handler's in-process mode (:mod:`elastic_ddp.inprocess`), or None:
+        then the runtime follows it, restores a joiner through :meth:`join`, and re-forms in this process
+        (:meth:`change_membership`, :meth:`recover`)."""
+        if membership is not None:
+            self._news = membership.generations.news
         self.phase = StepPhase.BETWEEN
         """Where the training thread is in its step (a rescue needs a complete state; set by hooks)."""
         self.exit_status: int | None = None
@@ -287,6 +298,7 @@ class Runtime:
         collective_timeout_s: float = 600.0,
         events: EventLog | None = None,
         sample_ledger: bool = False,
+        membership: LaunchedMembership | None = None,
     ) -> Runtime:
         """The runtime of a hand-written loop (the library path): call on every rank after the process group
         is formed, and enter it with ``with``. ``model``: the module itself, not its DDP wrapper.
@@ -294,11 +306,13 @@ class Runtime:
         ``seed``: every step's RNG streams are keyed by it, the step and the rank (at ``sampler.plan()``).
         ``state``: other ``Stateful`` objects saved with the model (rank 0's copy). ``sample_ledger``: rank 0
         appends each committed step's sample ids to ``samples.jsonl`` in ``events``' log directory (docs/design.md,
-        "Data cursor")."""
+        "Data cursor"). ``membership``: under the etcd-v3 handler's in-process mode, the one
+        :func:`~elastic_ddp.loop.init_process_group` joined (``context.membership``): the loop then re-forms in its
+        process where ``after_step`` says ``reformed`` or :meth:`recover` takes a failed step's error."""
         train_state = TrainState(model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler, scaler=scaler,
                                  extra=state, fingerprint=dict(fingerprint or {}), seed=seed)
         runtime = cls(train_state, checkpoint=checkpoint, resilience=resilience, collective_timeout_s=collective_timeout_s,
-                      events=events, sample_ledger=sample_ledger)
+                      events=events, sample_ledger=sample_ledger, membership=membership)
         runtime._announce = True
         return runtime
 
@@ -393,6 +407,8 @@ class Runtime:
                     self.report_done()
                 stop = self._open_guards().stop
                 self.exit_status = log_exit(self.stop_reason or ExitReason.DONE, stop.reason or "", self.events)
+                if self.membership is not None and self.stop_reason is None and self._trained():
+                    self.membership.generations.finish()  # the end of training, not a loss, to the rendezvous
                 leave_job(stop.reason)
                 return False
             if not isinstance(exc, Exception):
@@ -452,7 +468,11 @@ class Runtime:
         Raises:
             NoValidCheckpointError: checkpoints exist but none verifies (and fresh starts are not allowed).
             IncompatibleCheckpointError: the fingerprint or the model's parameters differ.
+
+        A worker that joined a running membership (``membership.joined``) restores through :meth:`join`.
         """
+        if self.membership is not None and self.membership.joined:
+            return self.join()
         world = self._open_world("restore")
         self.watchdog.enter(Phase.CHECKPOINT)
         step = world.restore(self.state)
@@ -529,6 +549,42 @@ class Runtime:
         if self.world is not None:
             self.world.agreement.news = news
 
+    def change_membership(self, decision: Decision) -> bool:
+        """In-process mode, at a step boundary: where ``decision`` names ranks that leave (``leaving``) or a
+        newer membership a worker joins (``membership``), agree on the next membership and re-form in this
+        process (:meth:`reform`). Whether it did: then wrap the model in a new ``DistributedDataParallel`` and
+        make a new loader iterator (:meth:`after_step` calls it and says ``reformed``; the trainer calls it
+        before its saves of the step)."""
+        if self.membership is None or not (decision.leaving or decision.membership):
+            return False
+        if decision.leaving:
+            self._next_membership(f"rank(s) {', '.join(map(str, decision.leaving))} left", leaving=decision.leaving)
+        else:
+            self._next_membership("a worker joined", joined=True)
+        return True
+
+    def recover(self, exc: BaseException) -> bool:
+        """In-process mode, after a step failed with ``exc``: when it is a peer's loss (its connection closed
+        mid-collective), agree on the next membership with the other survivors and re-form in this process,
+        from the live state when it is complete (:meth:`reform`). Whether it did: then wrap the model again
+        and make a new loader iterator; otherwise re-raise ``exc``."""
+        why = peer_loss(exc) if isinstance(exc, RuntimeError) else None
+        if self.membership is None or why is None:
+            return False
+        self.state.optimizer.zero_grad(set_to_none=True)
+        self._next_membership(f"a peer was lost ({why})")
+        return True
+
+    def _next_membership(self, why: str, *, joined: bool = False, leaving: tuple[int, ...] = ()) -> None:
+        membership = self.membership
+        assert membership is not None
+        before = membership.generations.current
+        agreed = membership.generations.next(why, leaving=leaving)
+        self.reform(membership.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
+                    generation=agreed.generation, backend=membership.backend, device=membership.device,
+                    timeout_s=self.collective_timeout_s, joined=joined)
+        logger.warning("rank %d: %s; went on in this process: %s", agreed.rank, why, describe(agreed, before))
+
     def join(self) -> int:
         """Restore as a worker that joins a running membership, instead of :meth:`restore`: the membership was
         agreed (:meth:`elastic_ddp.membership.Generations.join`) and this process's group formed
@@ -561,6 +617,8 @@ class Runtime:
         decision = self.agree(now - self._last_boundary)
         if not decision.stop and not decision.leaving:  # ranks that leave take part in no save
             self.save_if_due(decision.save_due)
+        if self.change_membership(decision):
+            decision = replace(decision, reformed=True)
         self._last_boundary = time.perf_counter()
         return decision
 

@@ -41,12 +41,10 @@ from elastic_ddp.distributed import DistContext
 from elastic_ddp.errors import ConfigError
 from elastic_ddp.events import Event, EventLog
 from elastic_ddp.logs import LogContext, main_only
-from elastic_ddp.membership import describe
 from elastic_ddp.metrics import Progress, StepTimer
 from elastic_ddp.parts import check_losses, check_lr_horizon, make_loader, make_parts, start_prefetch
 from elastic_ddp.report import StepReport
 from elastic_ddp.resilience.consistency import check_consistency
-from elastic_ddp.resilience.exits import peer_loss
 from elastic_ddp.resilience.watchdog import Phase
 from elastic_ddp.runtime import Runtime
 from elastic_ddp.state import derive_rng_seed, model_digest
@@ -117,7 +115,7 @@ class Trainer:
             self.state, checkpoint=self.config.checkpoint, resilience=self.config.resilience,
             collective_timeout_s=self.config.dist.collective_timeout_s, events=self.events,
             rank_log_file=os.path.join(log.dir, f"rank-{self.context.rank}.log") if log.per_rank_files else "",
-            sample_ledger=log.sample_ledger,
+            sample_ledger=log.sample_ledger, membership=self.launched,
         )
 
     # -- the loop ----------------------------------------------------------------
@@ -134,9 +132,7 @@ class Trainer:
         self.runtime = runtime
         self.watchdog = runtime.watchdog
         try:
-            if self.launched is not None:  # every member changes membership at the one step the agreement names
-                runtime.follow(self.launched.generations.news)
-            step = runtime.join() if self.launched is not None and self.launched.joined else runtime.restore()
+            step = runtime.restore()  # a worker that joins a running membership: through runtime.join()
             if self.done(self.sampler.plan()):
                 self.log0.info("the run is already complete at step %d: nothing to train (raise --max-steps or "
                                "--max-epochs to go on)", step)
@@ -185,9 +181,9 @@ class Trainer:
                     if stop_reason is not None:
                         break
                     if decision.leaving:  # their nodes preempted, ranks leave now: no collective of theirs follows
-                        batches = iter(())
-                        self._go_on_in_the_next_membership(
-                            f"rank(s) {', '.join(map(str, decision.leaving))} left", leaving=decision.leaving)
+                        batches = iter(())  # the old loader's workers go with its iterator
+                        self.runtime.change_membership(decision)
+                        self._follow_the_new_membership()
                         batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                                               seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                         continue
@@ -196,15 +192,15 @@ class Trainer:
                     collection.step(counters.step)
                     if decision.membership and not self.done(self.sampler.plan()):  # a worker joins, at this step
                         batches = iter(())
-                        self._go_on_in_the_next_membership("a worker joined", joined=True)
+                        self.runtime.change_membership(decision)
+                        self._follow_the_new_membership()
                         batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                                               seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                 except RuntimeError as exc:
-                    lost = peer_loss(exc)
-                    if self.launched is None or lost is None:
+                    batches = iter(())
+                    if not self.runtime.recover(exc):  # in-process mode, a peer's loss: re-formed in this process
                         raise
-                    batches = iter(())  # the old loader's workers go with its iterator
-                    self._go_on_in_the_next_membership(lost)
+                    self._follow_the_new_membership()
                     batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
                                           seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
                     timer.reset()
@@ -221,30 +217,17 @@ class Trainer:
                                stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
 
-    def _go_on_in_the_next_membership(self, why: str, *, joined: bool = False, leaving: tuple[int, ...] = ()) -> None:
-        """In-process mode, after a peer's loss (``why``: what the failed collective said), at the step where
-        a worker joins (``joined``) or where ranks leave (``leaving``, asked to stop): agree on the next
-        membership with the other members, re-form in this
-        process (:meth:`Runtime.reform`: the live state kept when it is a complete state of the last step; a
-        joiner receives it) and wrap the model again; everything that depends on the rank or the world size
-        follows the new membership."""
-        assert self.launched is not None
-        launched = self.launched
-        self.optimizer.zero_grad(set_to_none=True)
-        before = launched.generations.current
-        agreed = launched.generations.next(why, leaving=leaving)
-        self.runtime.reform(launched.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
-                            generation=agreed.generation, backend=self.context.backend, device=self.device,
-                            timeout_s=self.config.dist.collective_timeout_s, joined=joined)
-        self.context = DistContext(env=replace(self.context.env, rank=agreed.rank, world_size=agreed.world_size),
-                                   device=self.device, backend=self.context.backend)
-        self.log0 = main_only(logger, agreed.rank)
-        self.report.rank, self.report.world_size = agreed.rank, agreed.world_size
+    def _follow_the_new_membership(self) -> None:
+        """After the runtime re-formed in this process (in-process mode): everything of the trainer's that
+        depends on the rank or the world size follows the new membership, and the model is wrapped again."""
+        rank, world_size = self.runtime.rank, self.runtime.world_size
+        self.context = DistContext(env=replace(self.context.env, rank=rank, world_size=world_size), device=self.device,
+                                   backend=self.context.backend)
+        self.log0 = main_only(logger, rank)
+        self.report.follow(rank, world_size)
         self.ddp = wrap_model(self.model, self.config, self.device)
         self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
         self._graph_checked = False  # a collective of the first step: every member runs it with a joiner's first
-        logger.warning("rank %d: %s; went on in this process: %s", agreed.rank,
-                       why if joined or leaving else f"a peer was lost ({why})", describe(agreed, before))
 
     def _periodic_checks(self) -> None:
         step = self.state.counters.step

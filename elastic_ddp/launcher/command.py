@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start workers through a per-node fork server that imported torch once "
                              "(elastic_ddp.prefork), so restarts skip importing torch (default); "
                              "--no-prefork starts every worker as a new Python process")
+    parser.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=False,
+                        help="the etcd-v3 rendezvous's in-process mode (a preview): the workers keep their processes "
+                             "when a node is lost, preempted or added (--rdzv-conf in_process=true)")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="stop every node after this long (default 3600)")
     parser.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
                         help="without a terminal, one progress line this often (default 5; 0: none); "
@@ -105,6 +108,8 @@ def _command(args: argparse.Namespace) -> list[str]:
         raise LaunchError(f"--nproc-per-node {args.nproc_per_node}: expected at least 1 worker per node")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts {args.max_restarts}: expected 0 or more")
+    if args.in_process and args.rdzv_backend != "etcd-v3":
+        raise LaunchError(f"--in-process: the in-process mode is the etcd-v3 rendezvous's, not {args.rdzv_backend}'s")
     bad = [entry for entry in args.etcd.split(",") if args.etcd and not _ENDPOINT.match(entry.strip())]
     if bad:
         raise LaunchError(f"--etcd {args.etcd!r}: {', '.join(map(repr, bad))} is not HOST:PORT")
@@ -127,9 +132,10 @@ def launch(args: argparse.Namespace) -> int:
         progress_file.unlink(missing_ok=True)
         console = Console(progress_file, log_dir, progress_every_s=args.progress_every)
         endpoint = _rendezvous_endpoint(args, workdir, stack, console)
-        conf = ETCD_CONF if args.rdzv_backend == "etcd-v3" else RDZV_CONF
+        conf = {**(ETCD_CONF if args.rdzv_backend == "etcd-v3" else RDZV_CONF),
+                **({"in_process": "true"} if args.in_process else {})}
         spec = JobSpec(script=command[0], args=command[1:], nnodes=args.nodes, nproc_per_node=args.nproc_per_node,
-                       rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint, rdzv_conf=dict(conf),
+                       rdzv_backend=args.rdzv_backend, rdzv_endpoint=endpoint, rdzv_conf=conf,
                        run_id=args.run_id, max_restarts=args.max_restarts, prefork=args.prefork,
                        env={PROGRESS_FILE_ENV: str(progress_file.absolute())}, die_with_launcher=True)
         cluster = stack.enter_context(LocalCluster(spec, workdir))

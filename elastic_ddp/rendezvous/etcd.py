@@ -316,6 +316,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._in_process = in_process
         """The in-process mode's workers' store and what they need to reach it (``in_process=true``), or None."""
         self._said_in_process = False
+        self._joined_membership = False
+        """This agent trains in a round of its own, its workers members of the running membership
+        (:meth:`_join_the_running_membership`): it is in no agents' round, so none waits for it."""
         atexit.register(_leave_at_exit, weakref.ref(self))
 
     @classmethod
@@ -410,6 +413,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         joining = self._join_the_running_membership()
         if joining is not None:
             return joining
+        self._joined_membership = False
         try:
             info = self._form(time.monotonic() + self._settings.timeout.join.total_seconds())
         except RendezvousClosedError:
@@ -445,6 +449,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                    f"this node's workers join them as node {node_rank}")
         self._record("next_rendezvous", message)
         logger.info(message)
+        self._joined_membership = True
         return RendezvousInfo(store, 0, 1, bootstrap)
 
     def _form(self, deadline: float) -> RendezvousInfo:
@@ -726,6 +731,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Nodes waiting for the next round; at least 1 when this node is no longer in the round;
         0 while etcd does not answer (see the class docstring)."""
         if self._outage_since is not None and not self._etcd_back():
+            return 0
+        if self._joined_membership:  # in no agents' round: its workers fail, and it re-joins, if the membership ends
             return 0
         try:
             waiting = self._waiting_within(self._poll_timeout())

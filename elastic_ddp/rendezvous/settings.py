@@ -38,8 +38,9 @@ echoed.
                             processes when a peer is lost (:mod:`elastic_ddp.membership`); the
                             handler then tells the agent of no waiting node while a worker
                             membership lives, exports where the workers meet
-                            (``ELASTIC_DDP_MEMBERSHIP``) and skips the exit barrier. A node whose
-                            workers are gone leaves the job (its agent does not restart them).
+                            (``ELASTIC_DDP_MEMBERSHIP``) and skips the exit barrier. A node that
+                            starts workers while that membership lives (a restart, a node added)
+                            trains in a round of its own, and its workers join the membership.
 ``reach_check``             ``true`` (default) or ``false``: once a round completes, every
                             agent connects to the probe listeners (a TCP port on each
                             ``--local-addr``) of the 3 agents after it on the ring of ranks;

@@ -63,7 +63,11 @@ class Decision:
     alone, :meth:`elastic_ddp.runtime.Runtime.agree`)."""
     leaving: tuple[int, ...] = ()
     """The ranks that leave the membership at this step while this one goes on in the next (in-process mode;
-    set by the runtime, not the agreement): the loop re-forms without them."""
+    set by the runtime, not the agreement): the runtime re-forms without them."""
+    reformed: bool = False
+    """The runtime re-formed in this process at this step (in-process mode, ``Runtime.after_step``): wrap the
+    model in a new ``DistributedDataParallel`` and make a new loader iterator; ``runtime.rank`` and
+    ``runtime.world_size`` are the new membership's."""
 
 
 def decide(stop_any: bool, save_any: bool, asked_here: bool, failed_any: bool = False, membership: int = 0,

@@ -11,6 +11,9 @@ How to run:
   elastic, etcd v3:       torchrun --nnodes=1:3 --nproc-per-node=2 --rdzv-backend=etcd-v3 \
                             --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=job1 examples/byo_loop/train.py \
                             --checkpoint-dir /tmp/byo --checkpoint-every 20
+  add --rdzv-conf in_process=true (a preview): the survivors of a lost or preempted node keep their processes,
+  and a restarted or added node's workers join at a step boundary (the loop wraps the model and makes its loader
+  iterator again where the runtime says it re-formed)
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = Runtime.for_loop(
         model=model, optimizer=optimizer, sampler=sampler, scheduler=scheduler,
         scaler=scaler if scaler.is_enabled() else None, seed=config.seed, events=events,
-        sample_ledger=config.log_sample_ledger,
+        sample_ledger=config.log_sample_ledger, membership=context.membership,
         checkpoint=CheckpointConfig(dir=config.checkpoint_dir, every=config.checkpoint_every, keep=config.checkpoint_keep,
                                     storage_options=config.checkpoint_storage_options,
                                     replica_every=config.checkpoint_replica_every),
@@ -142,29 +145,42 @@ def main(argv: list[str] | None = None) -> int:
         batches = iter(loader)
         logged_at = time.perf_counter()
         while step < config.max_steps:
-            plan = sampler.plan()
-            micro_batches = sampler.local_micro_batches(plan)
-            for index in range(len(micro_batches)):
-                inputs, targets, _ = next(batches)
-                inputs, targets = inputs.to(device), targets.to(device)
-                with nullcontext() if index == len(micro_batches) - 1 else ddp.no_sync():
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=config.use_amp):
-                        loss = F.cross_entropy(ddp(inputs).float(), targets, reduction="sum") * sampler.loss_scale(plan)
-                    scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            sampler.commit(plan)
-            step += 1
-            if rank == 0 and step % config.log_every == 0:
-                mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
-                step_time, logged_at = (time.perf_counter() - logged_at) / config.log_every, time.perf_counter()
-                print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
-                metrics.write({"step": step, "loss": mean_loss, "world_size": world_size, "time": time.time(),
-                               "step_time_s": step_time})
-            if runtime.after_step(step).stop:  # checkpoints, replicas and stops, every rank alike
-                break
+            try:
+                plan = sampler.plan()
+                micro_batches = sampler.local_micro_batches(plan)
+                for index in range(len(micro_batches)):
+                    inputs, targets, _ = next(batches)
+                    inputs, targets = inputs.to(device), targets.to(device)
+                    with nullcontext() if index == len(micro_batches) - 1 else ddp.no_sync():
+                        with torch.autocast(device.type, dtype=amp_dtype, enabled=config.use_amp):
+                            loss = F.cross_entropy(ddp(inputs).float(), targets, reduction="sum") * sampler.loss_scale(plan)
+                        scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                sampler.commit(plan)
+                step += 1
+                if rank == 0 and step % config.log_every == 0:
+                    mean_loss = loss.item() / sampler.loss_scale(plan) / len(inputs)
+                    step_time, logged_at = (time.perf_counter() - logged_at) / config.log_every, time.perf_counter()
+                    print(f"step {step} loss {mean_loss:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
+                    metrics.write({"step": step, "loss": mean_loss, "world_size": world_size, "time": time.time(),
+                                   "step_time_s": step_time})
+                decision = runtime.after_step(step)  # checkpoints, replicas and stops, every rank alike
+                if decision.stop:
+                    break
+                reformed = decision.reformed  # in-process mode: a node left or joined at this step
+            except RuntimeError as exc:
+                reformed = runtime.recover(exc)  # in-process mode: a peer was lost; else the error ends the worker
+                if not reformed:
+                    raise
+            if reformed:  # the same process, in a new membership: wrap the model and start the loader again
+                step, rank, world_size = runtime.state.counters.step, runtime.rank, runtime.world_size
+                ddp, batches = DistributedDataParallel(model), iter(loader)
+                if rank == 0 and not metrics.path:  # rank 0 was lost: this rank writes the metrics from here
+                    metrics.close()
+                    metrics = MetricsWriter(config.log_dir, enabled=True)
     shutdown_process_group()
     metrics.close()
     events.close()

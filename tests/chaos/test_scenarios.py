@@ -26,7 +26,7 @@ import pytest
 from chaos.netns import unavailable
 from chaos.report import build_report, markdown, write_report
 from chaos.runner import RunOptions, run_scenario
-from chaos.scenario import Scenario, load_scenario, parse_scenario, with_script
+from chaos.scenario import Scenario, in_process, load_scenario, parse_scenario, with_script
 from chaos.verify import Check, RunFacts, all_fault_metrics, run_checks
 from elastic_ddp.events import Event, read_events
 
@@ -177,6 +177,24 @@ def test_the_library_path_passes_kill_worker_with_the_trainers_checks(tmp_path: 
     assert figures.steps_redone is not None and figures.steps_redone <= 1, text
     resumed = [event for event in facts.events if event.kind == "resumed" and event.rank == 0]
     assert resumed and resumed[-1].source == "replica", text
+
+
+@pytest.mark.parametrize(("name", "script"), [("kill-worker", ""), ("preempt-node", ""),
+                                              ("kill-worker", "examples/byo_loop/train.py"),
+                                              ("add-node", "examples/byo_loop/train.py")],
+                         ids=["kill-worker-trainer", "preempt-node-trainer", "kill-worker-library", "add-node-library"])
+def test_in_process_the_scenario_passes_and_every_worker_no_fault_hit_keeps_its_process(
+        name: str, script: str, tmp_path: Path, cache_dir: Path) -> None:
+    """With the handler's in-process mode, on both doors: the verifier's checks pass, survivors-kept-processes
+    among them (it fails if a node no fault hit started a worker twice), and nothing is redone."""
+    scenario = in_process(load_scenario(name))
+    if script:
+        scenario = with_script(scenario, script)
+    facts, checks, text = run(scenario, tmp_path, cache_dir)
+    assert not failures(checks), text
+    assert "survivors-kept-processes" in {check.name for check in checks}, text
+    for figures in all_fault_metrics(facts):
+        assert figures.steps_redone in (None, 0), text
 
 
 @pytest.mark.slow  # CI time (two scenarios with cold workers); the group watch and the handler's poll are tested in CI

@@ -79,3 +79,9 @@ def test_a_work_directory_serves_one_launch_at_a_time(tmp_path: Path) -> None:
             _hold(tmp_path, second)
     with ExitStack() as third:  # released with the first launch
         _hold(tmp_path, third)
+
+
+def test_the_in_process_mode_is_the_etcd_v3_rendezvous_s() -> None:
+    assert parse("--in-process", "--", "examples/train.py").in_process
+    with pytest.raises(ScenarioError, match="--in-process: the in-process mode is the etcd-v3 rendezvous's, not c10d's"):
+        launch(parse("--in-process", "--rdzv-backend", "c10d", "--", "examples/train.py"))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from chaos.scenario import ScenarioError, Target, load_scenario, parse_scenario, scenario_names
+from chaos.scenario import ScenarioError, Target, in_process, load_scenario, parse_scenario, scenario_names
 
 
 def document(**overrides: Any) -> dict[str, Any]:
@@ -99,6 +99,18 @@ def test_c10d_with_an_etcd_is_refused_rather_than_ignored() -> None:
     data = document()
     data["cluster"].update(rdzv_backend="c10d")
     assert "cluster.etcd: rdzv_backend 'c10d' does not use etcd; set etcd = 'none' (not 'embedded')" in problems_of(data)
+
+
+def test_the_in_process_mode_is_the_etcd_v3_handler_s_in_a_file_and_on_the_command_line() -> None:
+    data = document()
+    data["cluster"].update(in_process=True)
+    assert parse_scenario(data).cluster.in_process
+    data["cluster"].update(rdzv_backend="c10d", etcd="none")
+    assert "cluster.in_process: the in-process mode is the etcd-v3 handler's" in problems_of(data)
+    del data["cluster"]["in_process"]
+    with pytest.raises(ScenarioError, match="--in-process: t uses rdzv_backend 'c10d'"):
+        in_process(parse_scenario(data))
+    assert in_process(parse_scenario(document())).cluster.in_process
 
 
 def test_etcd_faults_need_an_etcd_rendezvous() -> None:

@@ -6,11 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import TensorDataset
 
+from elastic_ddp.build import Built
 from elastic_ddp.config import LogConfig
 from elastic_ddp.events import Event, EventLog
-from elastic_ddp.metrics import TENSORBOARD_DIR, MetricsWriter
+from elastic_ddp.metrics import TENSORBOARD_DIR, MetricsWriter, StepTimer
+from elastic_ddp.report import StepReport
 
 
 def board(log_dir: Path) -> EventAccumulator:
@@ -71,3 +75,23 @@ def test_tensorboard_needs_a_log_directory_and_the_package(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     problems = dict(LogConfig(tensorboard=True, dir="logs").problems())
     assert problems["tensorboard"] == "the tensorboard package is not installed: pip install 'elastic-ddp[tensorboard]'"
+
+
+def test_a_rank_that_becomes_rank_0_in_process_takes_over_the_metrics_file_and_the_old_one_leaves_it(
+        tmp_path: Path) -> None:
+    """After an in-process re-formation that lost rank 0, the new rank 0 appends the step records (a chaos run
+    and the launcher read them); a rank that stops being rank 0 writes none."""
+    built = Built(model=torch.nn.Linear(2, 2), train_data=TensorDataset(torch.zeros(4, 2), torch.zeros(4)))
+    log = LogConfig(dir=str(tmp_path))
+    # one process plays both ranks: world size 1 keeps log_step's all-reduce out
+    old, new = (StepReport(built, log, rank=rank, world_size=1, events=EventLog.off()) for rank in (0, 1))
+    timer = StepTimer()
+    timer.add(4, 0.01, 0.0)
+    old.log_step(1, 0, 0.1, timer, torch.tensor([1.0, 4.0], dtype=torch.float64))
+    old.follow(1, 1)
+    new.follow(0, 1)
+    old.log_step(2, 0, 0.1, timer, torch.tensor([1.0, 4.0], dtype=torch.float64))
+    new.log_step(2, 0, 0.1, timer, torch.tensor([2.0, 4.0], dtype=torch.float64))
+    new.metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(record["step"], record["loss"]) for record in records] == [(1, 0.25), (2, 0.5)]
