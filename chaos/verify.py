@@ -354,7 +354,7 @@ def check_kept_processes(events: list[JobEvent], faults: list[FaultRecord], npro
     membership change keep their processes; only the workers a fault hit are started again."""
     name = "survivors-kept-processes"
     workers = [event for event in events if event.pid is not None and event.kind not in AGENT_KINDS]
-    hit = {record.target for record in faults if record.fired}
+    hit = {record.target for record in faults if record.fired and record.kind != "add-node"}  # one it starts
     for record in faults:  # a worker fault names a rank: the node whose worker held it last before the fault
         match = _WORKER_TARGET.match(record.target)
         if record.fired_at is not None and match:

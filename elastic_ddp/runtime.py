@@ -518,6 +518,7 @@ class Runtime:
         self.events.rank = rank  # the records' rank is this membership's
         form_s = form_membership_group(store, rank=rank, world_size=world_size, generation=generation,
                                        backend=backend, device=device, timeout_s=timeout_s, abandoned=abandoned)
+        announce_process_group(self.events, world_size, backend, LaunchEnv.from_env())  # in this process
         self.world = self._form_world(guards)
         self.phase = StepPhase.BETWEEN
         lowest, highest = step_spread(self.state.counters.step, self.world.agreement.group)

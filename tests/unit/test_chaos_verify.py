@@ -466,3 +466,12 @@ def test_a_live_resume_loaded_nothing_and_needs_no_commit() -> None:
     facts = clean_facts()
     facts.events.append(event(9.5, "resumed", rank=0, step=45, source="live", world_size=1))
     assert check_loads(facts.events, facts.commits, facts.faults, facts.steps).passed
+
+
+def test_a_node_a_fault_added_is_not_hit_by_it_and_must_keep_its_processes() -> None:
+    events = [event(0.0, "started_fresh", rank=0, pid=10), event(3.0, "resumed", rank=1, node="node1", pid=11),
+              event(6.0, "resumed", rank=1, node="node1", pid=12, source="replica")]
+    faults = [FaultRecord(0, "kill-node", "0:kill-node", fired_at=T0 + 1.0, target="node0"),
+              FaultRecord(1, "add-node", "1:add-node", fired_at=T0 + 2.0, target="node1")]
+    check = check_kept_processes(events, faults, nproc_per_node=1)
+    assert not check.passed and check.message.startswith("node1: 2 worker processes (11, 12)"), check
