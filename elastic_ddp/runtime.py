@@ -556,7 +556,7 @@ class Runtime:
         process (:meth:`reform`). Whether it did: then wrap the model in a new ``DistributedDataParallel`` and
         make a new loader iterator (:meth:`after_step` calls it and says ``reformed``; the trainer calls it
         before its saves of the step)."""
-        if self.membership is None or not (decision.leaving or decision.membership):
+        if self.membership is None or decision.stop or not (decision.leaving or decision.membership):
             return False
         if decision.leaving:
             self._next_membership(f"rank(s) {', '.join(map(str, decision.leaving))} left", leaving=decision.leaving)
@@ -659,7 +659,7 @@ class Runtime:
             logger.info("rank %d leaves the membership at step %d (%s); the other %d rank(s) go on without it",
                         world.rank, self.state.counters.step, world.agreement.reason,
                         world.world_size - len(leaving))
-            return replace(decision, leaving=leaving)
+            return decision
         return replace(decision, stop=None, save_due=False, leaving=leaving)
 
     def _require_restored(self, call: str) -> World:
