@@ -195,9 +195,10 @@ AGENT_KINDS = ("agent-failure", "new-nodes", "agent-signal", "agent-rendezvous")
 come from its events file)."""
 
 DETECTION_KINDS = frozenset({Event.EXIT, Event.STOP_REQUESTED, Event.STOP_AGREED, Event.WATCHDOG_FIRED,
-                             "agent-failure", "new-nodes", "agent-signal"})
+                             Event.PROCESS_GROUP_FORMED, "agent-failure", "new-nodes", "agent-signal"})
 """Events that show the job noticed something: a worker exiting (other than at the end), a stop requested or
-agreed, the watchdog, the agent seeing a failure, a waiting node, or a signal."""
+agreed, the watchdog, a process group formed (in-process, the survivors re-form before any agent sees the
+fault), the agent seeing a failure, a waiting node, or a signal."""
 
 ATTEMPT_START = (Event.RESUMED, Event.STARTED_FRESH)
 """How every attempt of the job begins, on every rank."""

@@ -179,10 +179,16 @@ def test_the_library_path_passes_kill_worker_with_the_trainers_checks(tmp_path: 
     assert resumed and resumed[-1].source == "replica", text
 
 
-@pytest.mark.parametrize(("name", "script"), [("kill-worker", ""), ("preempt-node", ""),
-                                              ("kill-worker", "examples/byo_loop/train.py"),
-                                              ("add-node", "examples/byo_loop/train.py")],
-                         ids=["kill-worker-trainer", "preempt-node-trainer", "kill-worker-library", "add-node-library"])
+LIBRARY = "examples/byo_loop/train.py"
+
+
+@pytest.mark.parametrize(("name", "script"), [
+    pytest.param("kill-worker", "", id="kill-worker-trainer"),
+    pytest.param("preempt-node", LIBRARY, id="preempt-node-library"),
+    pytest.param("preempt-node", "", id="preempt-node-trainer", marks=pytest.mark.slow),  # CI time: SLOW_SET
+    pytest.param("kill-worker", LIBRARY, id="kill-worker-library", marks=pytest.mark.slow),
+    pytest.param("add-node", LIBRARY, id="add-node-library", marks=pytest.mark.slow),
+])
 def test_in_process_the_scenario_passes_and_every_worker_no_fault_hit_keeps_its_process(
         name: str, script: str, tmp_path: Path, cache_dir: Path) -> None:
     """With the handler's in-process mode, on both doors: the verifier's checks pass, survivors-kept-processes

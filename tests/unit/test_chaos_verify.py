@@ -475,3 +475,16 @@ def test_a_node_a_fault_added_is_not_hit_by_it_and_must_keep_its_processes() -> 
               FaultRecord(1, "add-node", "1:add-node", fired_at=T0 + 2.0, target="node1")]
     check = check_kept_processes(events, faults, nproc_per_node=1)
     assert not check.passed and check.message.startswith("node1: 2 worker processes (11, 12)"), check
+
+
+def test_in_process_the_survivors_re_formation_is_the_recovery_not_the_restarted_workers_join() -> None:
+    """Killed at t=5: the survivor re-forms at 5.1 and steps at 5.2, before any agent line; the restarted
+    worker's join (a later group) is not what the figures time."""
+    record = FaultRecord(0, "kill-worker", "0:kill-worker", fired_at=T0 + 5.0, target="rank 1 (pid 99)")
+    events = [event(5.1, "process_group_formed", rank=0, world_size=1),
+              event(5.1, "resumed", rank=0, step=50, source="live", world_size=1),
+              event(5.6, "agent-failure", node="node1"),
+              event(6.0, "process_group_formed", rank=0, world_size=2)]
+    figures = fault_metrics(record, events, steps(51, 60, T0 + 5.1), None)
+    assert figures.detect_s == pytest.approx(0.1) and figures.rendezvous_s == pytest.approx(0.1)
+    assert figures.first_step_s == pytest.approx(0.2) and figures.steps_redone == 0
