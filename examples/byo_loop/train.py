@@ -114,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, device = context.rank, context.world_size, context.device
     torch.manual_seed(config.seed)
     model = build_model(config).to(device)
-    ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, nesterov=True,
                                 weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=config.lr_decay_every, gamma=0.3)
@@ -140,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint={name: getattr(config, name) for name in ("seed", "batch_size", "num_samples", "hidden", "lr_decay_every")})
     with runtime:
         step = runtime.restore()
+        ddp = DistributedDataParallel(model)  # after the restore: a joining worker's first collective is the runtime's
         if rank == 0 and step:
             print(f"resumed at step {step}")
         batches = iter(loader)
