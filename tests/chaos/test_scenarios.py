@@ -186,7 +186,7 @@ LIBRARY = "examples/byo_loop/train.py"
     pytest.param("kill-worker", "", id="kill-worker-trainer"),
     pytest.param("preempt-node", LIBRARY, id="preempt-node-library"),
     pytest.param("preempt-node", "", id="preempt-node-trainer", marks=pytest.mark.slow),  # CI time: SLOW_SET
-    pytest.param("kill-worker", LIBRARY, id="kill-worker-library", marks=pytest.mark.slow),
+    pytest.param("kill-worker", LIBRARY, id="kill-worker-library"),
     pytest.param("add-node", LIBRARY, id="add-node-library", marks=pytest.mark.slow),
 ])
 def test_in_process_the_scenario_passes_and_every_worker_no_fault_hit_keeps_its_process(
