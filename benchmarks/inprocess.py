@@ -290,6 +290,7 @@ def join_part(context: BaseContext, args: argparse.Namespace) -> None:
 
 
 TORCHRUN_FIXTURE = REPO / "tests" / "fixtures" / "inprocess_torchrun.py"
+TORCHRUN_STEPS = 80
 TORCHRUN_DIES_AT = 10
 
 
@@ -298,7 +299,8 @@ def torchrun_part(args: argparse.Namespace) -> None:
     nodes train tests/fixtures/inprocess_torchrun.py with the same command line but for ``--rdzv-conf``; node 1's
     worker exits at step 10. restart: both agents start new workers and re-form (node 0's worker keeps its state
     in node memory for its successor); in-process (``in_process=true``): node 0's worker goes on alone in its
-    process, and node 1's agent, finding the membership going on without it, leaves."""
+    process, and node 1's agent restarts its worker, which joins node 0's at a step boundary (its longest step
+    after the fault, the join included, is reported)."""
     from tests.fixtures.etcd_proc import EtcdServer, find_etcd_binary
 
     results: dict[str, list[dict]] = {arm: [] for arm in ARMS}
@@ -315,12 +317,13 @@ def torchrun_part(args: argparse.Namespace) -> None:
             etcd.stop()
     print(f"\nunder torchrun (etcd-v3, prefork), kill of node 1's worker, {args.torchrun_step_s * 1000:g} ms steps, "
           f"a build of {args.torchrun_build_s:g} s, {args.repeats} runs each:")
-    print("| arm | fault → survivor's next step (s) | steps redone | survivor's pid kept |")
-    print("|---|---|---|---|")
+    print("| arm | fault → survivor's next step (s) | steps redone | survivor's pid kept | survivor's longest step "
+          "after the fault (s) |")
+    print("|---|---|---|---|---|")
     for arm in ARMS:
         runs = results[arm]
         print(f"| {arm} | {spread([run['next_step_s'] for run in runs])} | {spread([run['redone'] for run in runs], 0)} "
-              f"| {sum(run['pid_kept'] for run in runs)}/{len(runs)} |")
+              f"| {sum(run['pid_kept'] for run in runs)}/{len(runs)} | {spread([run['longest_step_s'] for run in runs])} |")
 
 
 def one_torchrun(endpoint: str, work: Path, arm: str, args: argparse.Namespace) -> dict:
@@ -328,7 +331,8 @@ def one_torchrun(endpoint: str, work: Path, arm: str, args: argparse.Namespace) 
     conf = "last_call_timeout=1,join_timeout=120,read_timeout=30" + (",in_process=true" if arm == "in-process" else "")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                ELASTIC_DDP_TEST_DIES=f"1:{TORCHRUN_DIES_AT}", ELASTIC_DDP_TEST_STEP_S=str(args.torchrun_step_s),
-               ELASTIC_DDP_TEST_BUILD_S=str(args.torchrun_build_s))
+               ELASTIC_DDP_TEST_BUILD_S=str(args.torchrun_build_s),
+               ELASTIC_DDP_TEST_STEPS=str(TORCHRUN_STEPS))  # long enough for node 1's restarted worker to join
     run_id = uuid.uuid4().hex[:8]
     agents = []
     for node in range(2):
@@ -360,7 +364,9 @@ def one_torchrun(endpoint: str, work: Path, arm: str, args: argparse.Namespace) 
     else:  # restarted: the report is the new worker's, every step of it after the fault
         first_step, first_at = report["trained"][0]
         redone = TORCHRUN_DIES_AT - (first_step - 1)
-    return {"next_step_s": first_at - died_at, "redone": redone, "pid_kept": len(pids) == 1}
+    after = [at for step, at in report["trained"] if step >= first_step]
+    longest = max((later - earlier for earlier, later in zip(after, after[1:])), default=0.0)
+    return {"next_step_s": first_at - died_at, "redone": redone, "pid_kept": len(pids) == 1, "longest_step_s": longest}
 
 
 def start(context: BaseContext, arm: str, rank: int, world_size: int, attempt: int, port: int, work: Path,
