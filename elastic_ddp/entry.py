@@ -18,7 +18,6 @@ entry in the agent's failure summary, not a traceback.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -28,7 +27,7 @@ from elastic_ddp.config import TrainConfig
 from elastic_ddp.distributed import LaunchEnv, distributed
 from elastic_ddp.events import EventLog
 from elastic_ddp.logs import setup_logging
-from elastic_ddp.membership import LAUNCH_ENV
+from elastic_ddp.membership import in_process_launch
 from elastic_ddp.runtime import Runtime, announce_process_group, exit_in_one_line, exit_unhandled, failure_reason
 from elastic_ddp.state import seed_rng_streams
 from elastic_ddp.trainer import Trainer
@@ -51,7 +50,7 @@ def run_training(config: TrainConfig, build: BuildFn) -> int:
     try:
         with ExitStack() as group:
             launched, built = None, None
-            if os.environ.get(LAUNCH_ENV):  # the etcd-v3 handler's in-process mode: the workers form their membership
+            if in_process_launch():  # the etcd-v3 handler's in-process mode: the workers form their membership
                 from elastic_ddp.inprocess import in_process_distributed, joining_launch  # the etcd client, if asked
 
                 if joining_launch():  # built before it joins, as the members train on (no group to use yet)

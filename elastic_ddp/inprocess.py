@@ -75,7 +75,7 @@ def joining_launch() -> bool:
     """Whether this worker's node joins the launch's running membership (a restarted or added node under the
     in-process mode): such a worker builds its model before :func:`join_launch`, as the members train on."""
     spec = os.environ.get(LAUNCH_ENV)
-    return spec is not None and bool(spec) and bool(json.loads(spec).get("join"))
+    return bool(spec and json.loads(spec).get("join"))
 
 
 def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,

@@ -148,8 +148,7 @@ class Trainer:
         progress = Progress(self.config.max_steps, Progress.wanted(self.config.log.progress, self.context.is_main))
         timer = StepTimer()
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # (sum of losses, samples or units)
-        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
-                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
+        batches = self._batches()
         collection = StepCollection(self.config.gc_every).start()  # after the loader forked its workers
         prefetch = ExitStack()
         prefetch.enter_context(start_prefetch(self.train_data, self.sampler))  # likewise
@@ -183,9 +182,7 @@ class Trainer:
                     if decision.leaving:  # their nodes preempted, ranks leave now: no collective of theirs follows
                         batches = iter(())  # the old loader's workers go with its iterator
                         self.runtime.change_membership(decision)
-                        self._follow_the_new_membership()
-                        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
-                                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
+                        batches = self._in_the_new_membership()
                         continue
                     self._periodic_checks()
                     self.runtime.save_if_due(decision.save_due)
@@ -193,16 +190,12 @@ class Trainer:
                     if decision.membership and not self.done(self.sampler.plan()):  # a worker joins, at this step
                         batches = iter(())
                         self.runtime.change_membership(decision)
-                        self._follow_the_new_membership()
-                        batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
-                                              seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
+                        batches = self._in_the_new_membership()
                 except RuntimeError as exc:
                     batches = iter(())
                     if not self.runtime.recover(exc):  # in-process mode, a peer's loss: re-formed in this process
                         raise
-                    self._follow_the_new_membership()
-                    batches = make_loader(self.train_data, self.sampler, self.config.loader, self.device,
-                                          seed=derive_rng_seed(self.config.seed, counters.step, self.context.rank))
+                    batches = self._in_the_new_membership()
                     timer.reset()
                     loss_sum.zero_()
         finally:
@@ -217,9 +210,15 @@ class Trainer:
                                stop_source=self.runtime.stop.reason)
         return self._finish(last_loss)
 
-    def _follow_the_new_membership(self) -> None:
+    def _batches(self) -> Iterator[Any]:
+        """A loader from the sampler's position, its workers seeded by this rank and the step."""
+        return make_loader(self.train_data, self.sampler, self.config.loader, self.device,
+                           seed=derive_rng_seed(self.config.seed, self.state.counters.step, self.context.rank))
+
+    def _in_the_new_membership(self) -> Iterator[Any]:
         """After the runtime re-formed in this process (in-process mode): everything of the trainer's that
-        depends on the rank or the world size follows the new membership, and the model is wrapped again."""
+        depends on the rank or the world size follows the new membership, the model is wrapped again, and the
+        loader made again (returned)."""
         rank, world_size = self.runtime.rank, self.runtime.world_size
         self.context = DistContext(env=replace(self.context.env, rank=rank, world_size=world_size), device=self.device,
                                    backend=self.context.backend)
@@ -228,6 +227,7 @@ class Trainer:
         self.ddp = wrap_model(self.model, self.config, self.device)
         self.forward = compile_model(self.ddp, self.config) if self.config.compile else self.ddp
         self._graph_checked = False  # a collective of the first step: every member runs it with a joiner's first
+        return self._batches()
 
     def _periodic_checks(self) -> None:
         step = self.state.counters.step
