@@ -31,6 +31,34 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+KEEP_THE_PROCESS = "2"
+"""``CleanUpOnly``: on a collective's error or timeout torch's NCCL watchdog aborts the communicators and the error
+is raised in the training thread, which the in-process mode re-forms from; torch's default (3) ends the process."""
+
+
+def keep_the_process_on_nccl_errors() -> dict[str, str]:
+    """What an NCCL group of the in-process mode is formed with: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (set here
+    unless the user set it; another value is warned of once, since it ends a survivor's process and recovery
+    falls back to a restart), read by torch when the group is created; the settings, for the log and the check."""
+    value = os.environ.setdefault(NCCL_ERROR_HANDLING, KEEP_THE_PROCESS)
+    if value != KEEP_THE_PROCESS and value not in _WARNED:
+        _WARNED.add(value)
+        logger.warning("%s=%s ends a process whose NCCL collective fails; the in-process mode needs %s (a lost peer "
+                       "then costs every survivor a restart)", NCCL_ERROR_HANDLING, value, KEEP_THE_PROCESS)
+    return {NCCL_ERROR_HANDLING: value}
+
+
+_WARNED: set[str] = set()
+
+
+def nccl_options() -> object:
+    """Options of an NCCL group of the in-process mode: non-blocking communicators, so that creating one and
+    aborting one whose peer is gone return instead of waiting inside NCCL (torch polls them)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.blocking = 0
+    return options
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -306,9 +334,14 @@ def form_membership_group(store: dist.Store, *, rank: int, world_size: int, gene
         raise DistributedInitError(f"rank {rank}: the broken process group was not let go; a new one cannot be formed")
     started = time.perf_counter()
     prefixed = dist.PrefixStore(f"elastic_ddp/membership-{generation}/", store)
+    options = None
+    if backend == "nccl":
+        keep_the_process_on_nccl_errors()
+        options = nccl_options()
     try:
         dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+                                timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
+                                pg_options=options)
         dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
     except (RuntimeError, ValueError, OSError) as exc:
         raise DistributedInitError(f"rank {rank}/{world_size}: could not form the {backend} group of membership "

@@ -17,7 +17,8 @@ old rank order; then newcomers in arrival order), so rank 0 stays rank 0 while i
 
 Keys, under ``elastic_ddp/generations/<n>/`` of the store: ``open`` (why it was opened), ``arrivals`` (a
 counter), ``arrival/<i>`` (``<old rank>:<uid>`` of the i-th arrival; old rank -1 for a newcomer), ``without``
-(the members agreed to leave, written before ``open``), ``closed`` (the member list, one ``uid`` per line in
+(the members agreed to leave, written before ``open``), ``planned`` (the change was agreed at a step boundary,
+not a loss; written before ``open``), ``closed`` (the member list, one ``uid`` per line in
 rank order) and, for generation 0, ``rank/<r>`` (the uid of launch rank r);
 ``elastic_ddp/generations/addr/<uid>`` holds each worker's liveness address (``host:port``),
 ``elastic_ddp/generations/finished/<uid>`` says it ended its training as planned, and
@@ -124,12 +125,13 @@ class Generations:
 
     # -- a change ------------------------------------------------------------
 
-    def next(self, reason: str, *, leaving: Iterable[int] = ()) -> Membership:
+    def next(self, reason: str, *, leaving: Iterable[int] = (), planned: bool = False) -> Membership:
         """The next membership that holds this worker: open the generation after the current one (unless a peer
         did), arrive, and wait for it to close; arriving late, go on to the one after. ``leaving``: ranks of the
         current membership that leave it (every member agreed on them): the generation is closed without them,
-        whether or not they arrive, and without waiting for them. Raises :class:`MembershipError` when none
-        closes with this worker within ``timeout_s``."""
+        whether or not they arrive, and without waiting for them. ``planned``: a change agreed at a step boundary
+        (a join, a departure), not a loss; :meth:`lost_member` does not count its generation. Raises
+        :class:`MembershipError` when none closes with this worker within ``timeout_s``."""
         current = self._require_current()
         newer = self.changed()
         if newer is not None:
@@ -140,6 +142,8 @@ class Generations:
         while True:
             if without:  # before it opens: whoever waits for it reads who is not to be waited for
                 self.store.compare_set(self._key(generation, "without"), "", without)
+            if planned:  # before it opens, as ``without``
+                self.store.compare_set(self._key(generation, "planned"), "", "1")
             self.store.compare_set(self._key(generation, "open"), "", reason)
             membership = self._arrive_and_wait(generation, deadline)
             if membership is not None:
@@ -159,7 +163,7 @@ class Generations:
         if running is None:
             raise MembershipError("no membership is running on this store to join")
         self.current = Membership(running[0], running[1], self.uid)
-        joined = self.next(reason)
+        joined = self.next(reason, planned=True)
         if not set(joined.members) & set(running[1]):  # never a membership of newcomers alone
             raise MembershipError(f"the running membership ended before worker {self.uid} joined it "
                                   f"(generation {joined.generation} holds newcomers only)")
@@ -181,6 +185,24 @@ class Generations:
         newer membership's generation, 0 if none."""
         newer = self.changed()
         return newer.generation if newer is not None else 0
+
+    def lost_member(self) -> str | None:
+        """What the control plane says of the current membership after a collective raised words that name no
+        cause (a backend's timeout, an aborted communicator whose reason is not a peer): a one-line account when
+        a member's process is gone (its liveness socket refuses) or a peer opened the next generation because its
+        own collective failed, else None. A join's generation does not count: a planned change, never a loss."""
+        current = self._require_current()
+        generation = current.generation + 1
+        key = self._key(generation, "open")
+        try:
+            if self.store.check([key]) and not self.store.check([self._key(generation, "planned")]):
+                return f"a peer opened generation {generation}: {self.store.get(key).decode()}"
+            for uid in current.members:
+                if uid != self.uid and self._probe(uid):
+                    return f"worker {uid}'s process is gone"
+        except (dist.DistError, RuntimeError, OSError) as exc:  # the store is gone too: nothing to re-form on
+            logger.warning("the membership of %s could not be read: %s", self.uid, exc)
+        return None
 
     def _adopt(self, membership: Membership) -> Membership:
         with self._lock:
@@ -295,6 +317,9 @@ class Generations:
         if now - self._probed.get(uid, -1.0) < PROBE_EVERY_S:
             return False
         self._probed[uid] = now
+        return self._probe(uid)
+
+    def _probe(self, uid: str) -> bool:
         address = self._addresses.get(uid)
         if address is None:
             key = f"{PREFIX}addr/{uid}"

@@ -565,12 +565,17 @@ class Runtime:
         return True
 
     def recover(self, exc: BaseException) -> bool:
-        """In-process mode, after a step failed with ``exc``: when it is a peer's loss (its connection closed
-        mid-collective), agree on the next membership with the other survivors and re-form in this process,
-        from the live state when it is complete (:meth:`reform`). Whether it did: then wrap the model again
-        and make a new loader iterator; otherwise re-raise ``exc``."""
-        why = peer_loss(exc) if isinstance(exc, RuntimeError) else None
-        if self.membership is None or why is None:
+        """In-process mode, after a step failed with ``exc``: when it is a peer's loss (the backend's words say a
+        connection closed or a remote process exited mid-collective, or, for an error whose words name no cause,
+        the membership's control plane knows a member gone: :meth:`Generations.lost_member`), agree on the next
+        membership with the other survivors and re-form in this process, from the live state when it is complete
+        (:meth:`reform`). Whether it did: then wrap the model again and make a new loader iterator; otherwise
+        re-raise ``exc``."""
+        if self.membership is None or not isinstance(exc, RuntimeError):
+            return False
+        # the backend's words (gloo's closed connection, NCCL's remote error), else the control plane's
+        why = peer_loss(exc) or self.membership.generations.lost_member()
+        if why is None:
             return False
         self.state.optimizer.zero_grad(set_to_none=True)
         self._next_membership(f"a peer was lost ({why})")
@@ -580,7 +585,7 @@ class Runtime:
         membership = self.membership
         assert membership is not None
         before = membership.generations.current
-        agreed = membership.generations.next(why, leaving=leaving)
+        agreed = membership.generations.next(why, leaving=leaving, planned=joined or bool(leaving))
         self.reform(membership.group_store(agreed), rank=agreed.rank, world_size=agreed.world_size,
                     generation=agreed.generation, backend=membership.backend, device=membership.device,
                     timeout_s=self.collective_timeout_s, joined=joined)

@@ -13,7 +13,8 @@ Checks, each printed PASS or FAIL with what was compared:
    the same state once the stream is idle is;
 5. in-process re-formation: one NCCL rank abandons its group (abort where torch has it) and forms a new one
    (``elastic_ddp.distributed.reform_group``) with the CUDA context, the model and the optimizer state on the
-   device kept; the two halves timed;
+   device kept, under the in-process mode's NCCL settings (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, non-blocking
+   communicators); the two halves timed;
 6. torchrun's elastic agent with the etcd-v3 rendezvous on a real etcd: the worker crashes at step 25, the
    agent restarts it, the NCCL group forms again, and the run ends with the straight run's digests
    (skipped when no etcd binary is found).
@@ -151,7 +152,7 @@ def reform_in_process(checks: Checks) -> None:
     the device and its optimizer state stay; timed (abandon, then form up to the first barrier)."""
     import torch.distributed as dist
 
-    from elastic_ddp.distributed import reform_group
+    from elastic_ddp.distributed import KEEP_THE_PROCESS, NCCL_ERROR_HANDLING, reform_group
     from elastic_ddp.errors import DistributedInitError
 
     device = torch.device("cuda", 0)
@@ -175,9 +176,12 @@ def reform_in_process(checks: Checks) -> None:
             torch.equal(old, parameter) for old, parameter in zip(digest, model.parameters(), strict=True))
         optimizer.step()  # its state on the device is still usable
         ok = same and dist.get_backend() == "nccl" and float(grads[0]) == 1.0
+        handling = os.environ.get(NCCL_ERROR_HANDLING)
         checks.check("NCCL group abandoned and formed again in-process, CUDA context and model on the device kept",
-                     ok, f"{reformed.abandoned} {reformed.abandon_s:.3f} s + form {reformed.form_s:.3f} s, "
-                     f"parameters kept={same}, backend {dist.get_backend()}")
+                     ok and handling == KEEP_THE_PROCESS,
+                     f"{reformed.abandoned} {reformed.abandon_s:.3f} s + form {reformed.form_s:.3f} s, "
+                     f"parameters kept={same}, backend {dist.get_backend()}, {NCCL_ERROR_HANDLING}={handling}, "
+                     "non-blocking communicators")
     except (DistributedInitError, RuntimeError, ValueError, OSError) as exc:  # print why, run the other checks
         checks.check("NCCL group abandoned and formed again in-process", False, f"{type(exc).__name__}: {exc}")
     finally:

@@ -45,13 +45,25 @@ logger = logging.getLogger(__name__)
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 """What gloo's transport says when the other end of a collective's connection has gone: only a fast path
 (:func:`peer_loss`); tests/unit/test_compat.py checks that gloo still says it."""
+_NCCL_PEER_GONE = ("remote process exited or there was a network error", "ncclRemoteError",
+                   "NCCL communicator was aborted")
+"""What NCCL (``ncclGetErrorString(ncclRemoteError)`` and its name) and torch's NCCL process group (a communicator
+its watchdog aborted after a remote error or the collective timeout, ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``) say
+when a collective's peer is gone or never came."""
+_DEVICE_FAULT = ("CUDA error", "ECC error", "illegal memory access", "device-side assert")
+"""Words of a device fault: an aborted communicator whose reason is one of these is not a peer's loss (the
+process's CUDA context cannot be trusted; it restarts)."""
 
 
 def peer_loss(exc: BaseException) -> str | None:
-    """A one-line account of ``exc`` when gloo's own words say a peer died during a collective, else None.
-    A fast path only: what decides a lost peer is the control plane (:mod:`elastic_ddp.resilience.group`)."""
+    """A one-line account of ``exc`` when gloo's or NCCL's own words say a peer died (or, for NCCL, the communicator
+    was aborted for it) during a collective, else None. A fast path only: what decides a lost peer is the control
+    plane (:mod:`elastic_ddp.resilience.group`; in the in-process mode, :meth:`Generations.lost_member`)."""
     text = str(exc)
-    if isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_GONE):
+    if not isinstance(exc, RuntimeError):
+        return None
+    if any(marker in text for marker in _PEER_GONE) or (
+            any(marker in text for marker in _NCCL_PEER_GONE) and not any(fault in text for fault in _DEVICE_FAULT)):
         return f"a peer left during a collective ({text.splitlines()[0][:300]})"
     return None
 

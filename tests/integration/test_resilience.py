@@ -70,9 +70,12 @@ def wait_for_step(workdir: Path, step: int, world_size: int) -> int:
     return wait_for(reached, 180, f"step {step} at world size {world_size}")
 
 
-def make_cluster(workdir: Path, nnodes: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> LocalCluster:
+def make_cluster(workdir: Path, nnodes: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 prefork: bool = True) -> LocalCluster:
+    """``prefork=False`` for a test that stops a worker with SIGSTOP: under the fork server the agent's child is
+    the worker's launcher, which a SIGSTOP stops without stopping the worker."""
     spec = JobSpec(script=TRAIN, args=job_args(workdir, *extra), nnodes=nnodes, nproc_per_node=2,
-                   rdzv_conf=dict(RDZV_CONF), run_id=workdir.name, max_restarts=5, env=env or {})
+                   rdzv_conf=dict(RDZV_CONF), run_id=workdir.name, max_restarts=5, env=env or {}, prefork=prefork)
     return LocalCluster(spec, workdir)
 
 
@@ -148,7 +151,7 @@ HANG_ARGS = ("--resilience-watchdog-timeout-s", "4", "--dist-collective-timeout-
 
 @pytest.mark.slow  # 60 s; CI time. The hang-worker chaos scenario covers a stopped worker too
 def test_stopped_worker_becomes_a_restart_with_stacks_in_the_log(tmp_path: Path, reference: dict) -> None:
-    with make_cluster(tmp_path, "1", HANG_ARGS) as cluster:
+    with make_cluster(tmp_path, "1", HANG_ARGS, prefork=False) as cluster:
         node = cluster.start(1).nodes[0]
         wait_for_step(tmp_path, 60, world_size=2)
         victim = wait_for(node.worker_pids, 30, "worker pids")[-1]
@@ -174,7 +177,7 @@ def check_no_step_redone_after_checkpoint(workdir: Path, reference: dict) -> Non
 
 @pytest.mark.slow  # the chaos set's hang-node scenario covers it too
 def test_stopped_node_is_left_behind_after_the_heartbeat_timeout(tmp_path: Path, reference: dict) -> None:
-    with make_cluster(tmp_path, "1:2", HANG_ARGS) as cluster:
+    with make_cluster(tmp_path, "1:2", HANG_ARGS, prefork=False) as cluster:
         survivor, frozen = cluster.start(2).nodes
         wait_for_step(tmp_path, 60, world_size=4)
         frozen.signal_node(signal.SIGSTOP)

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from chaos.cluster import free_port
-from elastic_ddp.distributed import LaunchEnv, _open_store, wait_until_listening
+from elastic_ddp.distributed import (
+    KEEP_THE_PROCESS,
+    NCCL_ERROR_HANDLING,
+    LaunchEnv,
+    _open_store,
+    keep_the_process_on_nccl_errors,
+    nccl_options,
+    wait_until_listening,
+)
 
 HOST = "127.0.0.1"
 
@@ -87,3 +97,20 @@ def test_abandoning_without_a_group_does_nothing() -> None:
 
     assert not dist.is_initialized()
     assert abandon_group() == "none"
+
+
+def test_an_nccl_group_of_the_in_process_mode_keeps_its_process_unless_the_user_chose_otherwise(
+        monkeypatch, caplog) -> None:
+    """torch's default NCCL error handling ends the process, which would turn every lost peer into a restart."""
+    monkeypatch.delenv(NCCL_ERROR_HANDLING, raising=False)
+    assert keep_the_process_on_nccl_errors() == {NCCL_ERROR_HANDLING: KEEP_THE_PROCESS}
+    monkeypatch.setenv(NCCL_ERROR_HANDLING, "3")
+    with caplog.at_level(logging.WARNING, logger="elastic_ddp.distributed"):
+        assert keep_the_process_on_nccl_errors() == {NCCL_ERROR_HANDLING: "3"}
+        keep_the_process_on_nccl_errors()
+    assert [record.getMessage().split(" ends ")[0] for record in caplog.records] == [f"{NCCL_ERROR_HANDLING}=3"]
+
+
+@pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch build has no NCCL (the 2.14.1 set runs it)")
+def test_an_nccl_group_of_the_in_process_mode_asks_for_non_blocking_communicators() -> None:
+    assert nccl_options().config.blocking == 0

@@ -132,6 +132,27 @@ def test_a_newcomer_joins_the_running_generation_and_is_ranked_after_every_membe
     assert time.monotonic() - started < 30
 
 
+def test_the_control_plane_names_a_member_whose_process_is_gone_or_a_generation_a_loss_opened(
+        server: dist.TCPStore) -> None:
+    """For a collective's error whose words name no cause (NCCL's aborted communicator, a timeout): nothing is
+    lost while every member lives; a member whose liveness socket refuses is named; so is a generation a peer
+    opened because its own collective failed."""
+    a, b, c = launch(server, ["a", "b", "c"], last_call_s=0.05)
+    assert a.lost_member() is None and b.lost_member() is None
+    c.close()
+    assert a.lost_member() == "worker c's process is gone"
+    b.next("its collective failed")  # closes without a (no watcher) after the last call
+    assert a.lost_member() == "a peer opened generation 1: its collective failed"
+
+
+def test_a_join_s_generation_is_a_planned_change_not_a_lost_member(server: dist.TCPStore) -> None:
+    a, b = launch(server, ["a", "b"], last_call_s=60)
+    with watching([a, b]):
+        Generations(client(server), "n", last_call_s=60).join()
+        wait_changed(a)
+        assert a.lost_member() is None  # generation 1 is open, but a join opened it
+
+
 def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.TCPStore) -> None:
     with pytest.raises(MembershipError, match="no membership is running"):
         Generations(client(server), "n").join()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_ddp.resilience.consistency import disagreeing_ranks, parameter_digest
-from elastic_ddp.resilience.exits import ExitReason
+from elastic_ddp.resilience.exits import ExitReason, peer_loss
 from elastic_ddp.resilience.stop import SpotNoticePoller, StopRequests
 
 
@@ -151,6 +151,28 @@ def test_exit_codes_distinguish_restart_reasons() -> None:
     assert ExitReason.CONFIG.status == 2
     failures = [reason for reason in ExitReason if reason not in (ExitReason.DONE, ExitReason.PREEMPTED)]
     assert len({reason.status for reason in failures}) == len(failures)
+
+
+@pytest.mark.parametrize("message", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234",
+    "NCCL error in: ProcessGroupNCCL.cpp:2027, remote process exited or there was a network error, NCCL version "
+    "2.27.5\nncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.",
+    "NCCL communicator was aborted on rank 1. Original reason for failure was: [Rank 1] Watchdog caught collective "
+    "operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, Timeout(ms)=60000) ran for 60012 milliseconds",
+])
+def test_a_lost_peer_is_known_from_words_of_gloo_and_nccl(message: str) -> None:
+    assert peer_loss(RuntimeError(message)) is not None
+    assert peer_loss(torch.distributed.DistBackendError(message)) is not None
+
+
+@pytest.mark.parametrize("message", [
+    "NCCL communicator was aborted on rank 1. Original reason for failure was: CUDA error: an illegal memory access "
+    "was encountered",
+    "CUDA error: device-side assert triggered",
+    "mat1 and mat2 shapes cannot be multiplied (4x3 and 2x2)",
+])
+def test_a_device_fault_or_a_bug_is_not_a_lost_peer(message: str) -> None:
+    assert peer_loss(RuntimeError(message)) is None
 
 
 def test_parameter_digest_sees_a_single_bit() -> None:
