@@ -422,9 +422,11 @@ class Runtime:
         and set the exit status; False for an error that is not the runtime's (it propagates)."""
         guards = self._open_guards()
         guards.watchdog.enter(Phase.IDLE)
-        if self._trained():
-            self.rescue()
         reason = failure_reason(exc)
+        if reason is ExitReason.DIVERGENCE:
+            self._forget_node_memory()
+        elif self._trained():
+            self.rescue()
         detail = str(exc)
         if reason is None and isinstance(exc, RuntimeError):
             # gloo's text, when it says so, spares the wait for the agent's word (a fast path only: the rescue
@@ -730,6 +732,15 @@ class Runtime:
         (:mod:`elastic_ddp.resilience.rescue`); never raises (what ended the step is the error)."""
         if self.world is not None:
             self.world.rescue(self.state, self._live_state())
+
+    def _forget_node_memory(self) -> None:
+        """After a divergence: the live state and the replicas since the last consistency check that passed may
+        hold the corrupted parameters (or gradients computed from them), so this node keeps none of them and the
+        restart resumes from the newest committed checkpoint."""
+        if self.world is not None and self.world.replicas is not None:
+            self.world.replicas.discard()
+            logger.warning("rank %d: parameters diverged; this node's replicas are dropped, the restart resumes from "
+                           "the newest committed checkpoint", self.world.rank)
 
     def _live_state(self) -> LiveState:
         """What decides whether this rank's live state is a complete state of its step (the rescue's rule)."""

@@ -198,9 +198,15 @@ def test_crash_in_one_rank_restarts_and_the_summary_names_it(tmp_path: Path, ref
     crashed = [event for event in events(tmp_path / "logs", "exit") if event["rank"] == 1 and event["reason"] == "error"]
     assert [event["status"] for event in crashed] == [1]
     assert crashed[0]["error"].startswith("InjectedCrash: injected crash on rank 1")
-    # the agent names the failed worker before restarting the group (torchrun's own line)
-    assert re.search(r"failed \(exitcode: 1\) local_rank: 1 \(pid: \d+\)", out), out[-4000:]
-    assert resumed_steps(tmp_path / "logs") == {0: 50, 1: 50}
+    # the survivor says why it stopped (its connection to rank 1 closed), and the agent restarted the group (which
+    # failure torchrun's own line names is a race: the survivor's peer-lost exit often comes before the crash's)
+    survivor = [event for event in events(tmp_path / "logs", "exit") if event["rank"] == 0 and event["status"] != 0]
+    assert [(event["reason"], event["status"]) for event in survivor] == [("peer-lost", 75)], survivor
+    assert re.search(r"failed \(exitcode: (1|75)\) local_rank: [01] \(pid: \d+\)", out), out[-4000:]
+    # both ranks resume from the survivor's node memory, at one step between the last commit (50) and the crash
+    resumed = resumed_steps(tmp_path / "logs")
+    assert set(resumed) == {0, 1} and len(set(resumed.values())) == 1 and 50 < resumed[0] <= 70, resumed
+    assert {event["source"] for event in events(tmp_path / "logs", "resumed")} == {"replica"}
     check_no_step_redone_after_checkpoint(tmp_path, reference)
 
 
