@@ -38,6 +38,10 @@ from elastic_ddp.rendezvous.etcd import RUNNING_KEY, create_worker_store
 
 logger = logging.getLogger(__name__)
 
+WATCH_WAIT_S = 0.5
+"""Each worker's watcher waits for the next generation on an etcd watch in slices this long (it sees the key at
+once; a slice costs a few requests, where polling cost a read every 20 ms per worker)."""
+
 
 @dataclass
 class LaunchedMembership:
@@ -53,6 +57,9 @@ class LaunchedMembership:
     device: torch.device
     joined: bool = False
     """This worker joined a running membership (a restarted or added node's): restore with ``Runtime.join``."""
+    node_rank: int | None = None
+    """The node rank the handler gave a joiner's node (its agent's own round names every joiner node 0), which its
+    replicas name its node by; None: torchrun's ``GROUP_RANK``."""
     hosted: list[dist.TCPStore] = field(default_factory=list)
 
     def group_store(self, membership: Membership) -> dist.Store:
@@ -96,16 +103,16 @@ def join_launch(*, backend: str, device: torch.device, timeout_s: float = 60.0,
     store = create_worker_store(spec, f"round-{round_}/")
     env = LaunchEnv.from_env()
     generations = Generations(store, f"{socket.gethostname()}-{os.getpid()}", host=spec["addr"],
-                              last_call_s=last_call_s, timeout_s=timeout_s, watch_poll_s=0.02)
+                              last_call_s=last_call_s, timeout_s=timeout_s, watch_wait_s=WATCH_WAIT_S)
+    node_rank = int(spec["node_rank"]) if joining else None
     if joining:
-        os.environ["GROUP_RANK"] = str(int(spec["node_rank"]))  # the agent's own round names every joiner node 0
         membership = generations.join("a node's workers joined")
     else:
         membership = generations.first(env.rank, env.world_size)
         if membership.rank == 0:
             create_worker_store(spec).set(RUNNING_KEY, str(round_))
     launched = LaunchedMembership(store, generations, membership, spec["addr"], timeout_s, backend, device,
-                                  joined=joining)
+                                  joined=joining, node_rank=node_rank)
     form_membership_group(launched.group_store(membership), rank=membership.rank, world_size=membership.world_size,
                           generation=membership.generation, backend=backend, device=device, timeout_s=timeout_s,
                           abandoned="none")
@@ -124,8 +131,8 @@ def init_in_process(config: DistConfig, env: LaunchEnv | None = None) -> DistCon
     backend = select_backend(config, device)
     launched = join_launch(backend=backend, device=device, timeout_s=config.init_timeout_s)
     membership = launched.membership
-    return DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size,
-                                   group_rank=LaunchEnv.from_env().group_rank),
+    node_rank = env.group_rank if launched.node_rank is None else launched.node_rank
+    return DistContext(env=replace(env, rank=membership.rank, world_size=membership.world_size, group_rank=node_rank),
                        device=device, backend=backend, membership=launched)
 
 

@@ -378,7 +378,8 @@ class Runtime:
     def _form_world(self, guards: ProcessGuards) -> World:
         world = World(checkpoint=self.checkpoint, resilience=self.resilience,
                       collective_timeout_s=self.collective_timeout_s, events=self.events,
-                      watchdog=guards.watchdog, stop=guards.stop, sample_ledger=self.sample_ledger)
+                      watchdog=guards.watchdog, stop=guards.stop, sample_ledger=self.sample_ledger,
+                      node_rank=self.membership.node_rank if self.membership is not None else None)
         world.agreement.news = self._news
         return world
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -58,9 +59,12 @@ class World:
         watchdog: Watchdog,
         stop: StopRequests,
         sample_ledger: bool,
+        node_rank: int | None = None,
     ) -> None:
         self.rank, self.world_size = membership()
         self.env = LaunchEnv.from_env()
+        if node_rank is not None:  # a joiner's node, numbered by the in-process mode's handler
+            self.env = replace(self.env, group_rank=node_rank)
         self.checkpoint = checkpoint
         self.events = events
         self.watchdog = watchdog

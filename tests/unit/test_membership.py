@@ -13,9 +13,12 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.membership import Generations, Membership, MembershipError, alive, describe
+from elastic_ddp.rendezvous.lease import LeaseKeeper
+from elastic_ddp.rendezvous.store import EtcdStore
 from elastic_ddp.resilience.agreement import Decision, StopAgreement, decide
 from elastic_ddp.resilience.exits import ExitReason
 from elastic_ddp.resilience.stop import StopRequests
+from tests.fixtures.fake_etcd import FakeEtcdClient
 
 
 @pytest.fixture
@@ -151,6 +154,30 @@ def test_a_join_s_generation_is_a_planned_change_not_a_lost_member(server: dist.
         Generations(client(server), "n", last_call_s=60).join()
         wait_changed(a)
         assert a.lost_member() is None  # generation 1 is open, but a join opened it
+
+
+def test_on_the_etcd_store_watchers_wait_for_the_next_generation_and_agree_as_pollers_do() -> None:
+    """Under torchrun the watchers wait on an etcd watch in slices of watch_wait_s instead of polling: one
+    worker's collective fails, the other's watcher sees the generation open and arrives, so it closes without a
+    last call of 60 s, and stopping a waiting watcher takes at most about one slice."""
+    client = FakeEtcdClient()
+
+    def store() -> EtcdStore:
+        return EtcdStore(client, "/job/", LeaseKeeper(client, 600, clock=client.clock), timedelta(seconds=30))
+
+    workers = [Generations(store(), uid, last_call_s=60, watch_wait_s=0.2) for uid in ("a", "b")]
+    threads = [threading.Thread(target=worker.first, args=(rank, 2)) for rank, worker in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    a, b = workers
+    with watching([b]):
+        started = time.monotonic()
+        assert a.next("a's collective failed").members == ("a", "b")
+        assert wait_changed(b).members == ("a", "b") and time.monotonic() - started < 30
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 1.5
 
 
 def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.TCPStore) -> None:
