@@ -90,7 +90,7 @@ class Generations:
         if not uid or "\n" in uid or ":" in uid:
             raise ValueError(f"a worker's uid must be non-empty, without ':' or newlines: {uid!r}")
         for name, value in (("last_call_s", last_call_s), ("timeout_s", timeout_s), ("poll_s", poll_s),
-                            ("watch_poll_s", watch_poll_s), ("watch_wait_s", watch_wait_s or 1.0)):
+                            ("watch_poll_s", watch_poll_s), ("watch_wait_s", 1.0 if watch_wait_s is None else watch_wait_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, not {value!r}")
         self.store, self.uid = store, uid
