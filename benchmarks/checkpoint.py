@@ -284,7 +284,7 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     t = {name: statistics.median(values) for name, values in times.items()}
     row("plain f.write + fsync of the same bytes", t["plain"], nbytes, spread(times["plain"]))
     row("elastic_ddp save (sha256-tree-4m + commit)", t["ours"], nbytes,
-        f"{t['plain'] / t['ours']:.2f}x plain speed; {spread(times['ours'])}")
+        f"{ratio_spread(times['plain'], times['ours'])} plain speed; {spread(times['ours'])}")
     row("torch.save + fsync", t["torch"], nbytes, spread(times["torch"]))
     row("safetensors save_file + fsync", t["safetensors"], nbytes, spread(times["safetensors"]))
     row("DCP save (sync)", t["dcp"], nbytes, spread(times["dcp"]))
