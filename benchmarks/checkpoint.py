@@ -20,7 +20,9 @@ with the peers interleaved:
                                    DCP save, each into new files
                                    (what is replaced or deleted is removed before the timing),
                                    in rotating order (max(repeats, 4) rounds); our retention
-                                   runs behind the save, so the timing leaves it out
+                                   runs behind the save, so the timing leaves it out; then
+                                   --pairs adjacent pairs of the plain write and ours alone,
+                                   the order alternating: the median of the per-pair ratios
   restore                          ours (verify checksums + load into the model and optimizer) vs
                                    torch.load(weights_only) vs safetensors load_file, in rotating
                                    order; the ratio of the medians and the range of the per-round
@@ -158,6 +160,31 @@ def fsync_write(path: str, chunks) -> None:
         os.fsync(handle.fileno())
 
 
+def head_to_head(plain: tuple[Callable[[], object], Callable[[], object] | None],
+                 ours: tuple[Callable[[], object], Callable[[], object] | None], pairs: int, nbytes: int) -> None:
+    """``pairs`` adjacent runs of a plain write and our save, the one that goes first alternating: on this disk one
+    write's time varies 4x from round to round (the host's writeback of the writes before it), so a ratio of two
+    medians over a few rounds can land anywhere; the ratio within each pair, of two writes made under the same
+    conditions, is the figure, given as the median and quartiles over the pairs."""
+    if pairs < 2:
+        return
+    contenders = {"plain": plain, "ours": ours}
+    ratios: list[float] = []
+    times: dict[str, list[float]] = {"plain": [], "ours": []}
+    for index in range(pairs):
+        order = ["plain", "ours"] if index % 2 == 0 else ["ours", "plain"]
+        pair = rotated_times({name: contenders[name] for name in order}, 1)
+        for name in order:
+            times[name] += pair[name]
+        ratios.append(pair["plain"][0] / pair["ours"][0])
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(f"  head to head, {pairs} adjacent pairs, the order alternating: elastic_ddp save at "
+          f"{statistics.median(ratios):.2f}x plain speed (quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, "
+          f"pairs {min(ratios):.2f}-{max(ratios):.2f}); medians {statistics.median(times['ours']):.3f} s "
+          f"({nbytes / GB / statistics.median(times['ours']):.2f} GB/s) and {statistics.median(times['plain']):.3f} s "
+          f"({nbytes / GB / statistics.median(times['plain']):.2f} GB/s)")
+
+
 def row(label: str, seconds: float, nbytes: int, note: str = "") -> None:
     print(f"  {label:44s} {seconds:7.3f} s  {seconds / (nbytes / GB):6.3f} s/GB  {nbytes / GB / seconds:6.2f} GB/s  {note}")
 
@@ -288,6 +315,7 @@ def local_benchmarks(args: argparse.Namespace, work: Path) -> None:
     row("torch.save + fsync", t["torch"], nbytes, spread(times["torch"]))
     row("safetensors save_file + fsync", t["safetensors"], nbytes, spread(times["safetensors"]))
     row("DCP save (sync)", t["dcp"], nbytes, spread(times["dcp"]))
+    head_to_head(contenders["plain"], contenders["ours"], args.pairs, nbytes)
     shutil.rmtree(work / "ours-keep-all", ignore_errors=True)
 
     print("\nrestore, page cache warm for all, in rotating order (target <= 1.2x torch.load):")
@@ -379,6 +407,8 @@ def s3_benchmarks(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=12,
+                        help="adjacent pairs of a plain write and our sync save, measured head to head (default 12)")
     parser.add_argument("--batch", type=int, default=16, help="batch of the training step that takes the save (default 16)")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 part")
     parser.add_argument("--no-local", action="store_true", help="skip the local parts (async, sync, restore)")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ LAUNCH_ENV = "ELASTIC_DDP_MEMBERSHIP"
 """Set by the etcd-v3 handler's in-process mode for its workers: where they meet (:mod:`elastic_ddp.inprocess`)."""
 PROBE_EVERY_S = 0.01
 """The most often one waiter probes one member's liveness socket."""
+STORE_RETRY_S = 0.5
+"""How often a watcher asks a store that did not answer again."""
+STORE_ERRORS = (dist.DistError, RuntimeError, OSError, RendezvousError)
+"""What a store raises when it cannot answer: TCPStore's errors, and the etcd store's (a RendezvousError)."""
 
 
 def in_process_launch() -> bool:
@@ -97,7 +102,9 @@ class Generations:
         self.last_call_s, self.timeout_s, self.poll_s, self.watch_poll_s = last_call_s, timeout_s, poll_s, watch_poll_s
         self.watch_wait_s = watch_wait_s
         self.current: Membership | None = None
-        self._arrived: set[int] = set()
+        self._arrived: dict[int, int] = {}  # generation -> this worker's arrival index
+        self._entered: set[int] = set()  # generations whose arrival entry this worker wrote
+        self._arrival_lock = threading.Lock()  # held across store calls: never by the step's own reads
         self._lock = threading.Lock()
         self._newer: Membership | None = None
         self._stop = threading.Event()
@@ -205,7 +212,7 @@ class Generations:
             for uid in current.members:
                 if uid != self.uid and self._probe(uid):
                     return f"worker {uid}'s process is gone"
-        except (dist.DistError, RuntimeError, OSError) as exc:  # the store is gone too: nothing to re-form on
+        except STORE_ERRORS as exc:  # the store is gone too: nothing to re-form on
             logger.warning("the membership of %s could not be read: %s", self.uid, exc)
         return None
 
@@ -253,18 +260,41 @@ class Generations:
         self.close()
 
     def _watch(self, stop: threading.Event) -> None:
+        """Arrive at each generation as it opens. A store that does not answer (an etcd outage, a lost
+        connection) is asked again every STORE_RETRY_S; the watcher stops only after ``timeout_s`` without an
+        answer (then the training thread finds out for itself)."""
         generation = self._require_current().generation + 1
+        failing_since: float | None = None
         while not stop.is_set():
             current = self._require_current()
             generation = max(generation, current.generation + 1)
             self._answer_probes()
+            membership: Membership | None = None
             try:
-                if not self._opened(generation, stop):
-                    continue
-                membership = self._arrive_and_wait(generation, time.monotonic() + self.timeout_s)
-            except (dist.DistError, RuntimeError, OSError) as exc:  # the store is gone: the training thread says so
-                logger.warning("membership watcher of %s stopped: %s", self.uid, exc)
-                return
+                opened = self._opened(generation, stop)
+                if opened:
+                    membership = self._arrive_and_wait(generation, time.monotonic() + self.timeout_s)
+            except MembershipError as exc:  # this generation never closed: watch for the next
+                logger.warning("membership watcher of %s: %s", self.uid, exc)
+                opened, membership = True, None
+            except STORE_ERRORS as exc:
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    logger.warning("membership watcher of %s cannot read the store (%s); asking again every %g s",
+                                   self.uid, _one_line(exc), STORE_RETRY_S)
+                if now - failing_since >= self.timeout_s:
+                    logger.warning("membership watcher of %s stopped: the store did not answer for %g s: %s",
+                                   self.uid, self.timeout_s, _one_line(exc))
+                    return
+                stop.wait(STORE_RETRY_S)
+                continue
+            if failing_since is not None:
+                logger.info("membership watcher of %s reads the store again after %.1f s", self.uid,
+                            time.monotonic() - failing_since)
+                failing_since = None
+            if not opened:
+                continue
             if membership is not None:
                 with self._lock:
                     self._newer = membership
@@ -289,12 +319,13 @@ class Generations:
     def _arrive_and_wait(self, generation: int, deadline: float) -> Membership | None:
         """Arrive at ``generation`` (once per process, by whichever thread gets here first) and wait until it is
         closed; the membership if this worker is on its list, else None."""
-        with self._lock:
-            first_time = generation not in self._arrived
-            self._arrived.add(generation)
-        if first_time:
-            index = self.store.add(self._key(generation, "arrivals"), 1)
-            self.store.set(self._key(generation, f"arrival/{index}"), f"{self._old_rank()}:{self.uid}")
+        with self._arrival_lock:  # once per process: counted, then the entry written (asked again after a failure)
+            if generation not in self._arrived:
+                self._arrived[generation] = self.store.add(self._key(generation, "arrivals"), 1)
+            if generation not in self._entered:
+                self.store.set(self._key(generation, f"arrival/{self._arrived[generation]}"),
+                               f"{self._old_rank()}:{self.uid}")
+                self._entered.add(generation)
         without = self._without(generation)
         members = set(self._require_current().members) - without
         arrived: set[str] = set()
@@ -461,3 +492,5 @@ def describe(membership: Membership, before: Membership | None) -> str:
             + ")")
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ddp.membership import Generations, Membership, MembershipError, alive, describe
+from elastic_ddp.rendezvous.errors import EtcdConnectionError
 from elastic_ddp.rendezvous.lease import LeaseKeeper
 from elastic_ddp.rendezvous.store import EtcdStore
 from elastic_ddp.resilience.agreement import Decision, StopAgreement, decide
@@ -178,6 +179,33 @@ def test_on_the_etcd_store_watchers_wait_for_the_next_generation_and_agree_as_po
         assert wait_changed(b).members == ("a", "b") and time.monotonic() - started < 30
         stopping = time.monotonic()
     assert time.monotonic() - stopping < 1.5
+
+
+def test_a_watcher_that_cannot_reach_etcd_asks_again_and_arrives_at_the_next_generation_once_it_answers() -> None:
+    """etcd does not answer b's watcher three times (an outage, a restart): the watcher asks again, and when a's
+    collective fails afterwards it still arrives, so generation 1 holds both without waiting out the last call."""
+    client = FakeEtcdClient()
+
+    def store() -> EtcdStore:
+        return EtcdStore(client, "/job/", LeaseKeeper(client, 600, clock=client.clock), timedelta(seconds=30))
+
+    workers = [Generations(store(), uid, last_call_s=20, watch_wait_s=0.2) for uid in ("a", "b")]
+    threads = [threading.Thread(target=worker.first, args=(rank, 2)) for rank, worker in enumerate(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    a, b = workers
+    client.fail_next(*[EtcdConnectionError("etcd restarting") for _ in range(3)])
+    with watching([b]):
+        deadline = time.monotonic() + 30
+        while client.failures_left:  # only b's watcher calls etcd meanwhile
+            assert time.monotonic() < deadline, "the watcher stopped asking"
+            time.sleep(0.01)
+        started = time.monotonic()
+        assert a.next("a's collective failed").members == ("a", "b")
+        assert time.monotonic() - started < 10  # b arrived: no last call of 20 s
+        assert wait_changed(b).members == ("a", "b")
 
 
 def test_joining_a_store_where_nothing_runs_is_a_membership_error(server: dist.TCPStore) -> None:
