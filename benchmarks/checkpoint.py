@@ -183,6 +183,7 @@ def head_to_head(plain: tuple[Callable[[], object], Callable[[], object] | None]
           f"pairs {min(ratios):.2f}-{max(ratios):.2f}); medians {statistics.median(times['ours']):.3f} s "
           f"({nbytes / GB / statistics.median(times['ours']):.2f} GB/s) and {statistics.median(times['plain']):.3f} s "
           f"({nbytes / GB / statistics.median(times['plain']):.2f} GB/s)")
+    print("    pairs, plain / ours s: " + ", ".join(f"{p:.2f}/{o:.2f}" for p, o in zip(times["plain"], times["ours"])))
 
 
 def row(label: str, seconds: float, nbytes: int, note: str = "") -> None:
