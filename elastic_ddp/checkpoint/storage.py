@@ -195,11 +195,15 @@ class WriteBehind:
 
     Without it every byte waits in the page cache until the final ``fsync``, which then
     writes it all while nothing else happens. Here each 16 MiB window is handed to the disk
-    as soon as it is complete, and the writer waits for the window two behind it, so the
-    disk and the writer work at once and dirty memory stays bounded. Elsewhere a no-op.
+    as soon as it is complete, and the writer waits for the window BEHIND windows back, so the
+    disk and the writer work at once and the file's dirty memory stays under about 256 MiB.
+    The disk keeps that many writes in flight: waiting for the window two back (32 MiB) kept
+    this project's virtio disk's queue so short that a save took up to 4x as long as a
+    plain buffered write (docs/performance.md, "Checkpoints"). Elsewhere a no-op.
     """
 
     WINDOW_BYTES = 16 << 20
+    BEHIND = 16
     _START, _WAIT = 2, 1 | 2 | 4  # SYNC_FILE_RANGE_WRITE; WAIT_BEFORE | WRITE | WAIT_AFTER
 
     def __init__(self, fd: int) -> None:
@@ -213,7 +217,7 @@ class WriteBehind:
             return
         while self.written - self.started >= self.WINDOW_BYTES:
             _sync_file_range(self.fd, self.started, self.WINDOW_BYTES, self._START)
-            behind = self.started - 2 * self.WINDOW_BYTES
+            behind = self.started - self.BEHIND * self.WINDOW_BYTES
             if behind >= 0:
                 _sync_file_range(self.fd, behind, self.WINDOW_BYTES, self._WAIT)
             self.started += self.WINDOW_BYTES

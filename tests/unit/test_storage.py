@@ -88,17 +88,18 @@ def test_read_hashed_returns_the_bytes_with_their_size_and_sha256(open_view: Ope
     assert record == FileRecord(size=size, digest=sha256(whole))
 
 
-def test_write_behind_hands_each_complete_window_to_the_disk_and_waits_two_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_behind_hands_each_complete_window_to_the_disk_and_waits_for_the_one_behind_windows_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(storage_module, "_sync_file_range", lambda fd, offset, count, flags: calls.append((offset, count, flags)))
-    window = WriteBehind.WINDOW_BYTES
+    window, back = WriteBehind.WINDOW_BYTES, WriteBehind.BEHIND
     behind = WriteBehind(fd=7)
     behind.wrote(window - 1)
     assert calls == []
-    behind.wrote(1 + 3 * window + 5)  # four windows complete; the fifth is not
+    behind.wrote(1 + (back + 1) * window + 5)  # back + 2 windows complete; the next is not
     start, wait = WriteBehind._START, WriteBehind._WAIT
-    assert calls == [(0, window, start), (window, window, start), (2 * window, window, start), (0, window, wait),
-                     (3 * window, window, start), (window, window, wait)]
+    assert calls == [(n * window, window, start) for n in range(back + 1)] + [
+        (0, window, wait), ((back + 1) * window, window, start), (window, window, wait)]
 
 
 def test_join_onto_a_joined_path_extends_it(open_view: OpenStorage) -> None:
