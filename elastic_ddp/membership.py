@@ -49,6 +49,9 @@ LAUNCH_ENV = "ELASTIC_DDP_MEMBERSHIP"
 """Set by the etcd-v3 handler's in-process mode for its workers: where they meet (:mod:`elastic_ddp.inprocess`)."""
 PROBE_EVERY_S = 0.01
 """The most often one waiter probes one member's liveness socket."""
+ENTRY_WAIT_S = 1.0
+"""The longest a closer waits for a counted arrival's entry (written just after the count; a worker that died
+between the two is left out after this)."""
 STORE_RETRY_S = 0.5
 """How often a watcher asks a store that did not answer again."""
 STORE_ERRORS = (dist.DistError, RuntimeError, OSError, RendezvousError)
@@ -102,9 +105,7 @@ class Generations:
         self.last_call_s, self.timeout_s, self.poll_s, self.watch_poll_s = last_call_s, timeout_s, poll_s, watch_poll_s
         self.watch_wait_s = watch_wait_s
         self.current: Membership | None = None
-        self._arrived: dict[int, int] = {}  # generation -> this worker's arrival index
-        self._entered: set[int] = set()  # generations whose arrival entry this worker wrote
-        self._arrival_lock = threading.Lock()  # held across store calls: never by the step's own reads
+        self._arrived: set[int] = set()
         self._lock = threading.Lock()
         self._newer: Membership | None = None
         self._stop = threading.Event()
@@ -156,10 +157,17 @@ class Generations:
                 self.store.compare_set(self._key(generation, "without"), "", without)
             if planned:  # before it opens, as ``without``
                 self.store.compare_set(self._key(generation, "planned"), "", "1")
+            if self.uid not in current.members:
+                # a newcomer counts itself before it opens: the members' watchers close the generation as soon as
+                # every member is there, and a newcomer is none of theirs
+                self._arrive(generation)
             self.store.compare_set(self._key(generation, "open"), "", reason)
             membership = self._arrive_and_wait(generation, deadline)
             if membership is not None:
                 return self._adopt(membership)
+            if time.monotonic() > deadline:  # each closed without it: never wait past the timeout for one with it
+                raise MembershipError(f"no generation closed with worker {self.uid} within {self.timeout_s:g} s "
+                                      f"(the last, {generation}, closed without it)")
             logger.info("worker %s arrived after generation %d closed; opening generation %d", self.uid, generation,
                         generation + 1)
             generation += 1
@@ -316,16 +324,28 @@ class Generations:
 
     # -- arriving and closing -------------------------------------------------
 
+    def _arrive(self, generation: int) -> None:
+        """Count this worker's arrival at ``generation`` and write its entry, once per process (by whichever thread
+        gets here first)."""
+        with self._lock:
+            first_time = generation not in self._arrived
+            self._arrived.add(generation)
+        if not first_time:
+            return
+        try:
+            index = self.store.add(self._key(generation, "arrivals"), 1)
+        except BaseException:  # not counted: a retry arrives again
+            with self._lock:
+                self._arrived.discard(generation)
+            raise
+        # counted but this entry lost to a failure: the closer leaves this worker out, which then finds itself off
+        # the list and opens the next generation, as any late arrival does
+        self.store.set(self._key(generation, f"arrival/{index}"), f"{self._old_rank()}:{self.uid}")
+
     def _arrive_and_wait(self, generation: int, deadline: float) -> Membership | None:
         """Arrive at ``generation`` (once per process, by whichever thread gets here first) and wait until it is
         closed; the membership if this worker is on its list, else None."""
-        with self._arrival_lock:  # once per process: counted, then the entry written (asked again after a failure)
-            if generation not in self._arrived:
-                self._arrived[generation] = self.store.add(self._key(generation, "arrivals"), 1)
-            if generation not in self._entered:
-                self.store.set(self._key(generation, f"arrival/{self._arrived[generation]}"),
-                               f"{self._old_rank()}:{self.uid}")
-                self._entered.add(generation)
+        self._arrive(generation)
         without = self._without(generation)
         members = set(self._require_current().members) - without
         arrived: set[str] = set()
@@ -341,7 +361,9 @@ class Generations:
                 arrived |= self._arrivals(generation, seen + 1, count)
                 seen, changed_at = count, now
             dead |= {uid for uid in members - arrived - dead if self._refuses(uid)}
-            if members <= arrived | dead or now - changed_at >= self.last_call_s:
+            # the last call counts once a member is here: a joiner's generation waits for the members' watchers
+            quiet = now - changed_at >= self.last_call_s and bool(members & arrived)
+            if members <= arrived | dead or quiet:
                 self._close(generation, count, without)
                 continue
             if now > deadline:
@@ -400,12 +422,12 @@ class Generations:
 
     def _close(self, generation: int, count: int, without: set[str]) -> None:
         """Propose the first ``count`` arrivals but those ``without`` as the members (an arrival whose entry does
-        not appear within ``last_call_s`` is left out: it died between counting itself and writing its entry)."""
+        not appear within ENTRY_WAIT_S is left out: it died between counting itself and writing its entry)."""
         entries: list[tuple[tuple[int, int], str]] = []
         for index in range(1, count + 1):
             key = self._key(generation, f"arrival/{index}")
             try:
-                self.store.wait([key], timedelta(seconds=self.last_call_s))
+                self.store.wait([key], timedelta(seconds=max(self.last_call_s, ENTRY_WAIT_S)))
             except dist.DistStoreError:
                 continue
             old_rank, _, uid = self.store.get(key).decode().partition(":")

@@ -648,10 +648,19 @@ class Runtime:
         if decision.save_failed:
             world.raise_agreed_save_failure()
         if decision.stop and decision.staying and self._news is not None:
-            decision = self._leave_alone(decision, world)
+            decision = self._join_first(decision, world) if decision.membership else self._leave_alone(decision, world)
         if decision.stop:
             self.stop_reason = decision.stop
         return decision
+
+    def _join_first(self, decision: Decision, world: World) -> Decision:
+        """A worker joins at the step where some ranks are asked to leave: the join's generation may hold them
+        (their watchers arrived at it), so every rank, those asked included, goes on in it first; the asked
+        ranks' requests stand, and they leave at the next agreement, a step or so later."""
+        logger.info("rank %d: a worker joins at step %d as rank(s) are asked to stop (%s): the join first, the "
+                    "departure at the next agreement", world.rank, self.state.counters.step,
+                    world.agreement.reason or "requested by a peer")
+        return replace(decision, stop=None, staying=False)
 
     def _leave_alone(self, decision: Decision, world: World) -> Decision:
         """A loop that follows a membership, at a stop that some ranks were not asked for (their nodes were not

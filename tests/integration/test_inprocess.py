@@ -107,6 +107,45 @@ def test_a_worker_that_joins_a_running_membership_enters_at_a_step_boundary_and_
     assert newcomer[0]["path"].startswith("replica of step"), newcomer  # from a member, over the group
 
 
+JOIN_LEAVE = Path(__file__).resolve().parents[1] / "fixtures" / "inprocess_join_leave.py"
+JOIN_LEAVE_STEPS, JOIN_LEAVE_SAMPLES = 40, 480
+
+
+def test_a_join_and_a_departure_at_one_step_let_the_joiner_in_first_and_the_leaver_out_after(tmp_path: Path) -> None:
+    """Three members train; a newcomer joins, and its generation closes with all three members' watchers in it;
+    at the step that agreement carries, rank 2 is preempted (SIGTERM). Every rank goes on in the join's
+    membership of four first, then rank 2 leaves at the next agreement and the other three train to the end in
+    their own processes, with the uninterrupted run's data and one model (the join's membership held the leaver,
+    whose absence failed the group's formation)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    ranks = [subprocess.Popen([sys.executable, str(JOIN_LEAVE), str(rank), str(store.port), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(4)]
+    try:
+        outs = [process.communicate(timeout=150) for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    assert [process.returncode for process in ranks] == [0, 0, 0, 0], [err[-3000:] for _, err in outs]
+    ends = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    leaver, stayers = ends[2], [ends[0], ends[1], ends[3]]
+    assert leaver["stopped"] == "preempted" and (leaver["generation"], leaver["world_size"]) == (1, 4), leaver
+    assert leaver["trained"] == list(range(1, leaver["step"] + 1)), leaver
+    sampler = ElasticSampler(JOIN_LEAVE_SAMPLES, global_batch_size=BATCH, seed=0, rank=0, world_size=1)
+    for _ in range(JOIN_LEAVE_STEPS):
+        sampler.commit(sampler.plan())
+    joined_at = ends[3]["trained"][0] - 1
+    assert joined_at < leaver["step"] < JOIN_LEAVE_STEPS, (joined_at, leaver)
+    for rank, end in zip((0, 1, 2), stayers, strict=True):
+        assert end["pid"] == end["pid_at_end"] and end["stopped"] is None, end
+        assert (end["generation"], end["rank"], end["world_size"]) == (2, rank, 3), end
+        first = 1 if rank < 2 else joined_at + 1
+        assert end["step"] == JOIN_LEAVE_STEPS and end["trained"] == list(range(first, JOIN_LEAVE_STEPS + 1)), end
+        assert end["data_digest"] == sampler.data_digest
+    assert len({end["model_digest"] for end in stayers}) == 1
+
+
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN_FIXTURE = REPO / "tests" / "fixtures" / "inprocess_torchrun.py"
 TORCHRUN_STEPS, TORCHRUN_SAMPLES = 40, 480

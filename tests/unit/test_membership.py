@@ -136,6 +136,53 @@ def test_a_newcomer_joins_the_running_generation_and_is_ranked_after_every_membe
     assert time.monotonic() - started < 30
 
 
+def test_a_joiner_s_generation_waits_past_the_last_call_for_a_member_slower_than_it(server: dist.TCPStore) -> None:
+    """The members' watchers are late (here: none runs; a member's training thread arrives 0.5 s after the
+    joiner, ten last calls later): the joiner's generation still waits for them instead of closing with the
+    newcomer alone (which its join refuses), and holds both."""
+    (a,) = launch(server, ["a"], last_call_s=0.05)
+    newcomer = Generations(client(server), "n", last_call_s=0.05)
+    joined: list[Membership] = []
+    joining = threading.Thread(target=lambda: joined.append(newcomer.join()))
+    joining.start()
+    deadline = time.monotonic() + 30
+    while not server.check(["elastic_ddp/generations/1/open"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(0.5)  # the member is late on purpose: the condition under test is its lateness
+    assert a.next("a worker joined").members == ("a", "n")
+    joining.join(30)
+    assert [membership.members for membership in joined] == [("a", "n")]
+
+
+class SlowCounting:
+    """A store whose arrival counts take ``delay_s`` first (the process descheduled between two calls)."""
+
+    def __init__(self, store: dist.Store, delay_s: float) -> None:
+        self._store, self._delay_s = store, delay_s
+
+    def add(self, key: str, amount: int) -> int:
+        if key.endswith("/arrivals") and amount:
+            time.sleep(self._delay_s)
+        return self._store.add(key, amount)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+
+def test_a_joiner_is_in_the_generation_it_opens_however_late_its_own_arrival_is_counted(
+        server: dist.TCPStore) -> None:
+    """The members' watchers close a generation once every member is there, and a joiner is none of theirs: so a
+    joiner counts itself before it opens the generation, not after (then a slow count left it out, and the join
+    took a second generation)."""
+    a, b = launch(server, ["a", "b"], last_call_s=60)
+    newcomer = Generations(SlowCounting(client(server), 0.3), "n", last_call_s=60, timeout_s=10)  # type: ignore[arg-type]
+    with watching([a, b]):
+        joined = newcomer.join()
+        assert (joined.generation, joined.members) == (1, ("a", "b", "n"))
+        assert [wait_changed(worker).generation for worker in (a, b)] == [1, 1]
+
+
 def test_the_control_plane_names_a_member_whose_process_is_gone_or_a_generation_a_loss_opened(
         server: dist.TCPStore) -> None:
     """For a collective's error whose words name no cause (NCCL's aborted communicator, a timeout): nothing is
