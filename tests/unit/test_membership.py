@@ -34,8 +34,20 @@ def client(server: dist.TCPStore) -> dist.TCPStore:
 
 def launch(server: dist.TCPStore, uids: list[str], **settings: float) -> list[Generations]:
     """Generation 0 for every uid, in launch rank order, each on its own connection."""
-    workers = [Generations(client(server), uid, **settings) for uid in uids]
-    threads = [threading.Thread(target=worker.first, args=(rank, len(uids))) for rank, worker in enumerate(workers)]
+    return first_together([Generations(client(server), uid, **settings) for uid in uids])
+
+
+def etcd_launch(etcd: FakeEtcdClient, uids: list[str], **settings: float) -> list[Generations]:
+    """:func:`launch` on the etcd-backed store (what workers under torchrun use), each worker a store of its own."""
+    def store() -> EtcdStore:
+        return EtcdStore(etcd, "/job/", LeaseKeeper(etcd, 600, clock=etcd.clock), timedelta(seconds=30))
+
+    return first_together([Generations(store(), uid, **settings) for uid in uids])
+
+
+def first_together(workers: list[Generations]) -> list[Generations]:
+    """Every worker's generation 0 at once, in list order as launch ranks (each waits for all the others)."""
+    threads = [threading.Thread(target=worker.first, args=(rank, len(workers))) for rank, worker in enumerate(workers)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -209,17 +221,7 @@ def test_on_the_etcd_store_watchers_wait_for_the_next_generation_and_agree_as_po
     worker's collective fails, the other's watcher sees the generation open and arrives, so it closes without a
     last call of 60 s, and stopping a waiting watcher takes at most about one slice."""
     client = FakeEtcdClient()
-
-    def store() -> EtcdStore:
-        return EtcdStore(client, "/job/", LeaseKeeper(client, 600, clock=client.clock), timedelta(seconds=30))
-
-    workers = [Generations(store(), uid, last_call_s=60, watch_wait_s=0.2) for uid in ("a", "b")]
-    threads = [threading.Thread(target=worker.first, args=(rank, 2)) for rank, worker in enumerate(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    a, b = workers
+    a, b = etcd_launch(client, ["a", "b"], last_call_s=60, watch_wait_s=0.2)
     with watching([b]):
         started = time.monotonic()
         assert a.next("a's collective failed").members == ("a", "b")
@@ -232,17 +234,7 @@ def test_a_watcher_that_cannot_reach_etcd_asks_again_and_arrives_at_the_next_gen
     """etcd does not answer b's watcher three times (an outage, a restart): the watcher asks again, and when a's
     collective fails afterwards it still arrives, so generation 1 holds both without waiting out the last call."""
     client = FakeEtcdClient()
-
-    def store() -> EtcdStore:
-        return EtcdStore(client, "/job/", LeaseKeeper(client, 600, clock=client.clock), timedelta(seconds=30))
-
-    workers = [Generations(store(), uid, last_call_s=20, watch_wait_s=0.2) for uid in ("a", "b")]
-    threads = [threading.Thread(target=worker.first, args=(rank, 2)) for rank, worker in enumerate(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    a, b = workers
+    a, b = etcd_launch(client, ["a", "b"], last_call_s=20, watch_wait_s=0.2)
     client.fail_next(*[EtcdConnectionError("etcd restarting") for _ in range(3)])
     with watching([b]):
         deadline = time.monotonic() + 30
